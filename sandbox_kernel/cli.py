@@ -1,0 +1,101 @@
+"""`sandbox-kernel install | serve | ls | rm | doctor`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from .api import SandboxAPIError
+from .config import ConfigError, Settings, open_client
+from .paths import state_dir
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .local.service import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(args.state_dir or state_dir(), host=args.host, port=args.port,
+                          idle_timeout=args.idle_timeout))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    from .kernelspec import install
+
+    where = install(name=args.name, user=args.user, sys_prefix=args.sys_prefix, prefix=args.prefix)
+    print(f"Installed kernelspec {args.name!r} (\"Python (sandbox)\") in {where}")
+    return 0
+
+
+async def _list(settings: Settings) -> int:
+    async with await open_client(settings) as client:
+        sandboxes = await client.list_sandboxes()
+    if not sandboxes:
+        print(f"no sandboxes on {settings.description}")
+    for sb in sandboxes:
+        print(f"{sb.id}  {sb.status.value:<10} {sb.shape or '-':<14} {sb.name or '-':<22} {sb.created_at}")
+    return 0
+
+
+async def _remove(settings: Settings, ids: list[str]) -> int:
+    async with await open_client(settings) as client:
+        for sandbox_id in ids:
+            result = await client.delete_sandbox(sandbox_id)
+            print(f"{result.id}: {result.status.value}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import report
+
+    ok, lines = report()
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sandbox-kernel", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    install = sub.add_parser("install", help="install the 'Python (sandbox)' kernelspec")
+    where = install.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="for this user (the default)")
+    where.add_argument("--sys-prefix", action="store_true", help="into this Python environment")
+    where.add_argument("--prefix", help="under this prefix")
+    install.add_argument("--name", default="sandbox", help="kernelspec name (default: sandbox)")
+    install.set_defaults(run=cmd_install)
+
+    serve = sub.add_parser("serve", help="run the local engine (CreateOS-compatible API)")
+    serve.add_argument("--host", default="127.0.0.1", help="loopback address to listen on")
+    serve.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
+    serve.add_argument("--state-dir", type=Path, help="state directory (token, socket, sandboxes)")
+    serve.add_argument("--idle-timeout", type=float, default=0.0,
+                       help="exit after this many seconds with no sandboxes (0: never)")
+    serve.set_defaults(run=cmd_serve)
+
+    ls = sub.add_parser("ls", help="list sandboxes of the configured provider")
+    ls.set_defaults(run=lambda a: asyncio.run(_list(Settings.from_env())))
+
+    rm = sub.add_parser("rm", help="destroy sandboxes")
+    rm.add_argument("ids", nargs="+", metavar="ID")
+    rm.set_defaults(run=lambda a: asyncio.run(_remove(Settings.from_env(), a.ids)))
+
+    doctor = sub.add_parser("doctor", help="say what isolation this host gives, and why")
+    doctor.set_defaults(run=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ConfigError, SandboxAPIError, RuntimeError) as exc:
+        message = exc.user_message() if isinstance(exc, SandboxAPIError) else str(exc)
+        print(f"sandbox-kernel: {message}", file=sys.stderr)
+        return 1

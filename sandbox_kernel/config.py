@@ -1,0 +1,70 @@
+"""Which sandbox provider a kernel uses, and how to reach it.
+
+With CREATEOS_SANDBOX_API_KEY set, the kernel talks to CreateOS; otherwise to the local
+engine, started on demand. Both are reached through the same SandboxClient: the only
+difference is the base URL and the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .api import SandboxClient
+from .paths import state_dir
+
+DEFAULT_BASE_URL = "https://api.sb.createos.sh"
+DEFAULT_SHAPE = "s-1vcpu-1gb"
+LOCAL_ENGINE_URL_FOR_UDS = "http://localhost"
+
+
+class ConfigError(ValueError):
+    """A configuration mistake the user can fix; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    provider: str  # "local" or "createos"
+    shape: str = DEFAULT_SHAPE
+    base_url: str = DEFAULT_BASE_URL
+    api_key: str | None = field(default=None, repr=False)
+    engine_transport: str = "unix"  # how the kernel reaches the local engine: unix or tcp
+    engine_idle_timeout: float = 600.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        api_key = env.get("CREATEOS_SANDBOX_API_KEY") or None
+        provider = env.get("SANDBOX_KERNEL_PROVIDER") or ("createos" if api_key else "local")
+        if provider not in ("local", "createos"):
+            raise ConfigError(f"SANDBOX_KERNEL_PROVIDER must be 'local' or 'createos', not {provider!r}")
+        if provider == "createos" and not api_key:
+            raise ConfigError("no CreateOS API key: set CREATEOS_SANDBOX_API_KEY "
+                              "(or unset SANDBOX_KERNEL_PROVIDER to use the local engine)")
+        transport = env.get("SANDBOX_KERNEL_ENGINE_TRANSPORT", "unix")
+        if transport not in ("unix", "tcp"):
+            raise ConfigError(f"SANDBOX_KERNEL_ENGINE_TRANSPORT must be 'unix' or 'tcp', not {transport!r}")
+        return cls(provider=provider,
+                   shape=env.get("SANDBOX_KERNEL_SHAPE") or DEFAULT_SHAPE,
+                   base_url=env.get("CREATEOS_SANDBOX_BASE_URL") or DEFAULT_BASE_URL,
+                   api_key=api_key, engine_transport=transport)
+
+    @property
+    def description(self) -> str:
+        return "CreateOS" if self.provider == "createos" else "the local engine"
+
+
+async def open_client(settings: Settings, state: Path | None = None) -> SandboxClient:
+    """A client for the configured provider; for the local engine, start it if needed."""
+    if settings.provider == "createos":
+        return SandboxClient(settings.base_url, settings.api_key)
+    from .local.service import ensure_engine
+
+    endpoint = await asyncio.to_thread(ensure_engine, state or state_dir(),
+                                       settings.engine_idle_timeout)
+    if settings.engine_transport == "unix" and endpoint.socket:
+        return SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, endpoint.token, uds=endpoint.socket)
+    return SandboxClient(endpoint.url, endpoint.token)

@@ -1,0 +1,205 @@
+"""The agent inside every local sandbox: spawns exec'd commands and moves files.
+
+bwrap starts this file as the sandbox's main process (bwrap's own init is PID 1 and
+reaps orphans; when this process exits, bwrap tears the whole sandbox down). It runs
+with the sandbox's view of the world, so every path it touches is resolved *inside* the
+sandbox: a symlink to /etc/passwd in an upload reaches the sandbox's own /etc/passwd,
+never the host's. Stdlib only: it runs on the sandbox's Python, not the engine's.
+
+Protocol (unix socket, one request per connection): the engine sends one JSON line,
+    {"op": "ping"}
+    {"op": "exec", "cmd": str, "args": [str], "env": {str: str}}
+    {"op": "write", "path": "/abs", "size": N}   followed by N raw bytes
+    {"op": "read", "path": "/abs"}
+and gets back JSON lines. exec answers with CreateOS exec frames, one per line
+({"stdout": s} / {"stderr": s} / {"error": s} / {"exit_code": n}); write answers
+{"ok": true, "bytes": N}; read answers {"ok": true, "size": N} then N raw bytes.
+Failures are {"ok": false, "code": "not_found" | "invalid" | "failed", "error": msg}.
+Closing the connection before an exec finishes kills that command's process group,
+as CreateOS does when a client abandons an exec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import errno
+import json
+import os
+import signal
+import stat
+import sys
+
+CHUNK = 64 * 1024
+MAX_HEADER = 1 << 20
+
+
+def frame(obj: dict) -> bytes:
+    return (json.dumps(obj, ensure_ascii=True, separators=(",", ":")) + "\n").encode()
+
+
+def failure(code: str, message: str) -> bytes:
+    return frame({"ok": False, "code": code, "error": message})
+
+
+def os_error_code(exc: OSError) -> str:
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return "not_found"
+    if exc.errno in (errno.EISDIR, errno.EINVAL, errno.ENAMETOOLONG):
+        return "invalid"
+    return "failed"
+
+
+class Agent:
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await reader.readline()
+            request = json.loads(line) if line else {}
+            op = request.get("op")
+            if op == "ping":
+                writer.write(frame({"ok": True, "pid": os.getpid()}))
+            elif op == "exec":
+                await self.exec(request, reader, writer)
+            elif op == "write":
+                await self.write_file(request, reader, writer)
+            elif op == "read":
+                await self.read_file(request, writer)
+            else:
+                writer.write(failure("invalid", "unknown op %r" % (op,)))
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except ValueError as exc:
+            writer.write(failure("invalid", "bad request: %s" % exc))
+        finally:
+            writer.close()
+
+    async def exec(self, request: dict, reader: asyncio.StreamReader,
+                   writer: asyncio.StreamWriter) -> None:
+        cmd = request.get("cmd")
+        args = request.get("args") or []
+        if not isinstance(cmd, str) or not cmd or not all(isinstance(a, str) for a in args):
+            writer.write(frame({"error": "cmd must be a non-empty string and args strings"}))
+            writer.write(frame({"exit_code": -1}))
+            return
+        env = dict(os.environ)
+        env.update(request.get("env") or {})
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                cmd, *args, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                cwd=self.workdir, env=env, start_new_session=True, limit=CHUNK)
+        except OSError as exc:
+            writer.write(frame({"error": "exec %s: %s" % (cmd, exc.strerror or exc)}))
+            writer.write(frame({"exit_code": -1}))
+            return
+        relays = [asyncio.ensure_future(self.relay(proc.stdout, "stdout", writer)),
+                  asyncio.ensure_future(self.relay(proc.stderr, "stderr", writer))]
+        hangup = asyncio.ensure_future(reader.read())  # EOF here = the engine went away
+        finished = asyncio.ensure_future(asyncio.gather(*relays, proc.wait()))
+        await asyncio.wait([finished, hangup], return_when=asyncio.FIRST_COMPLETED)
+        if not finished.done():
+            kill_group(proc.pid)
+            await finished
+            return
+        hangup.cancel()
+        writer.write(frame({"exit_code": exit_status(proc.returncode)}))
+
+    async def relay(self, pipe: asyncio.StreamReader, name: str,
+                    writer: asyncio.StreamWriter) -> None:
+        # Decode incrementally so a multi-byte character split across reads stays whole.
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while True:
+            chunk = await pipe.read(CHUNK)
+            text = decoder.decode(chunk, final=not chunk)
+            if text:
+                writer.write(frame({name: text}))
+                await writer.drain()
+            if not chunk:
+                return
+
+    async def write_file(self, request: dict, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        path, size = request.get("path"), request.get("size")
+        if not isinstance(path, str) or not os.path.isabs(path) or not isinstance(size, int):
+            writer.write(failure("invalid", "path must be absolute"))
+            return
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:
+            writer.write(failure(os_error_code(exc), "%s: %s" % (path, exc.strerror)))
+            return
+        remaining = size
+        with os.fdopen(fd, "wb") as out:
+            while remaining:
+                chunk = await reader.read(min(CHUNK, remaining))
+                if not chunk:
+                    raise ConnectionError("upload ended early")
+                out.write(chunk)
+                remaining -= len(chunk)
+        writer.write(frame({"ok": True, "bytes": size}))
+
+    async def read_file(self, request: dict, writer: asyncio.StreamWriter) -> None:
+        path = request.get("path")
+        if not isinstance(path, str) or not os.path.isabs(path):
+            writer.write(failure("invalid", "path must be absolute"))
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            writer.write(failure(os_error_code(exc), "%s: %s" % (path, exc.strerror)))
+            return
+        with os.fdopen(fd, "rb") as src:
+            info = os.fstat(src.fileno())
+            if not stat.S_ISREG(info.st_mode):  # a FIFO or device would block or never end
+                writer.write(failure("invalid", "%s: not a regular file" % path))
+                return
+            writer.write(frame({"ok": True, "size": info.st_size}))
+            remaining = info.st_size
+            while remaining:
+                chunk = src.read(min(CHUNK, remaining))
+                if not chunk:  # the file shrank under us: cut the reply, the engine reports it
+                    raise ConnectionError("file changed while being read")
+                writer.write(chunk)
+                remaining -= len(chunk)
+                await writer.drain()
+
+
+def exit_status(returncode: int) -> int:
+    """Shell convention: a command killed by signal N exits 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+async def serve(socket_path: str, workdir: str) -> None:
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)
+    agent = Agent(workdir)
+    server = await asyncio.start_unix_server(agent.handle, path=socket_path, limit=MAX_HEADER)
+    os.chmod(socket_path, 0o600)
+    stop = asyncio.get_running_loop().create_future()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set_result, None)
+    async with server:
+        await stop
+
+
+def main(argv: list) -> int:
+    if len(argv) != 3:
+        sys.stderr.write("usage: agent.py SOCKET WORKDIR\n")
+        return 2
+    asyncio.run(serve(argv[1], argv[2]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

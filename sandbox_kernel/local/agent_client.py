@@ -1,0 +1,92 @@
+"""The engine's side of the agent protocol (see agent.py for the wire format)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+CHUNK = 64 * 1024
+
+
+class AgentError(Exception):
+    """The agent refused or failed a file operation; `code` is not_found, invalid or failed."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class AgentUnavailable(Exception):
+    """The agent's socket does not answer (the sandbox is gone or not started yet)."""
+
+
+class AgentClient:
+    def __init__(self, socket_dir: Path) -> None:
+        self.socket_dir = socket_dir
+
+    @contextlib.asynccontextmanager
+    async def _connect(self) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        # Connect through /proc/self/fd so a deep state dir cannot push the socket path
+        # past the 108-byte sun_path limit.
+        dir_fd = os.open(self.socket_dir, os.O_PATH)
+        try:
+            reader, writer = await asyncio.open_unix_connection(
+                f"/proc/self/fd/{dir_fd}/agent.sock", limit=4 * CHUNK)
+        except OSError as exc:
+            raise AgentUnavailable(str(exc)) from None
+        finally:
+            os.close(dir_fd)
+        try:
+            yield reader, writer
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, request: dict, body: bytes = b"") -> None:
+        writer.write(json.dumps(request).encode() + b"\n" + body)
+        await writer.drain()
+
+    @staticmethod
+    async def _reply(reader: asyncio.StreamReader) -> dict:
+        line = await reader.readline()
+        if not line:
+            raise AgentUnavailable("agent closed the connection")
+        reply = json.loads(line)
+        if reply.get("ok") is False:
+            raise AgentError(reply.get("code", "failed"), reply.get("error", "agent error"))
+        return reply
+
+    async def ping(self) -> dict:
+        async with self._connect() as (reader, writer):
+            await self._send(writer, {"op": "ping"})
+            return await self._reply(reader)
+
+    async def exec(self, cmd: str, args: list[str], env: dict[str, str]) -> AsyncIterator[dict]:
+        """Yield the command's CreateOS exec frames; closing the generator kills the command."""
+        async with self._connect() as (reader, writer):
+            await self._send(writer, {"op": "exec", "cmd": cmd, "args": args, "env": env})
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                yield json.loads(line)
+
+    async def write_file(self, path: str, data: bytes) -> int:
+        async with self._connect() as (reader, writer):
+            await self._send(writer, {"op": "write", "path": path, "size": len(data)}, data)
+            return (await self._reply(reader))["bytes"]
+
+    async def read_file(self, path: str) -> bytes:
+        async with self._connect() as (reader, writer):
+            await self._send(writer, {"op": "read", "path": path})
+            size = (await self._reply(reader))["size"]
+            try:
+                return await reader.readexactly(size)
+            except asyncio.IncompleteReadError:
+                raise AgentError("failed", f"{path}: file changed while being read") from None

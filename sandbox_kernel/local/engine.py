@@ -1,0 +1,282 @@
+"""The local engine's sandbox registry: create, look up, exec in, move files, destroy.
+
+Each sandbox is one bwrap process whose main program is the agent (agent.py). The
+engine never runs user commands itself: it asks the sandbox's agent, over the unix
+socket the agent listens on inside the sandbox. The HTTP layer (server.py) turns these
+methods into CreateOS routes; this module knows nothing about HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import shutil
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..api.models import (
+    CreateSandboxRequest,
+    RootfsCatalog,
+    RootfsEntry,
+    SandboxStatus,
+    TERMINAL,
+    SandboxView,
+    Shape,
+)
+from .agent_client import AgentClient, AgentError, AgentUnavailable
+from .bwrap import SandboxDirs, bwrap_command, find_bwrap
+
+log = logging.getLogger("sandbox_kernel.engine")
+
+AGENT_SCRIPT = Path(__file__).with_name("agent.py")
+AGENT_START_TIMEOUT = 15.0
+DEFAULT_DISK_MIB = 10240
+
+# The same shape ids CreateOS offers, so a kernel configured for one works on the other.
+SHAPES = [Shape(id=f"s-{cpu}vcpu-{label}", vcpu=cpu, mem_mib=mib, default_disk_mib=DEFAULT_DISK_MIB)
+          for cpu, mib, label in ((1, 256, "256mb"), (1, 512, "512mb"), (1, 1024, "1gb"),
+                                  (1, 2048, "2gb"), (2, 2048, "2gb"), (2, 4096, "4gb"),
+                                  (4, 4096, "4gb"))]
+LOCAL_ROOTFS = "host-python"
+ROOTFS = RootfsCatalog(
+    rootfs=[LOCAL_ROOTFS], default=LOCAL_ROOTFS,
+    entries=[RootfsEntry(name=LOCAL_ROOTFS,
+                         description="the host's /usr and the engine's Python environment, read-only")])
+ADJECTIVES = ("brave", "calm", "eager", "fond", "keen", "lucid", "merry", "quiet", "swift", "wise")
+ANIMALS = ("otter", "heron", "lynx", "marten", "newt", "puffin", "stoat", "tapir", "vole", "wren")
+KEEP_DESTROYED = 200
+
+
+class EngineError(Exception):
+    """A request the engine refuses; `status` is the HTTP status CreateOS would answer."""
+
+    status = 400
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class InvalidRequest(EngineError):
+    status = 400
+
+
+class NotFound(EngineError):
+    status = 404
+
+
+class Conflict(EngineError):
+    status = 409
+
+
+def rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def new_sandbox_id() -> str:
+    # Time-ordered like CreateOS's ULID-based ids: 10 chars of milliseconds, 12 random.
+    alphabet = "0123456789abcdefghjkmnpqrstvwxyz"
+    millis = int(time.time() * 1000)
+    stamp = "".join(alphabet[(millis >> (5 * i)) & 31] for i in reversed(range(10)))
+    return "sb-" + stamp + "".join(secrets.choice(alphabet) for _ in range(12))
+
+
+@dataclass
+class LocalSandbox:
+    id: str
+    name: str
+    shape: Shape
+    dirs: SandboxDirs
+    envs: dict[str, str]
+    egress: list[str]
+    auto_pause_after_seconds: int | None
+    status: SandboxStatus = SandboxStatus.CREATING
+    created_at: float = field(default_factory=time.time)
+    running_at: float | None = None
+    destroyed_at: float | None = None
+    spawn_ms: int | None = None
+    process: asyncio.subprocess.Process | None = None
+
+    @property
+    def agent(self) -> AgentClient:
+        return AgentClient(self.dirs.agent)
+
+    def view(self) -> SandboxView:
+        return SandboxView(
+            id=self.id, status=self.status, name=self.name, shape=self.shape.id,
+            rootfs=LOCAL_ROOTFS, vcpu=self.shape.vcpu, mem_mib=self.shape.mem_mib,
+            disk_mib=self.shape.default_disk_mib, created_at=rfc3339(self.created_at),
+            running_at=rfc3339(self.running_at) if self.running_at else None,
+            destroyed_at=rfc3339(self.destroyed_at) if self.destroyed_at else None,
+            ingress_enabled=False, spawn_ms=self.spawn_ms, egress=list(self.egress),
+            envs=sorted(self.envs), auto_pause_after_seconds=self.auto_pause_after_seconds)
+
+
+class Engine:
+    def __init__(self, state_dir: Path, bwrap: str | None = None) -> None:
+        self.sandbox_root = state_dir / "sandboxes"
+        self.sandbox_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.bwrap = bwrap or find_bwrap()
+        self.sandboxes: dict[str, LocalSandbox] = {}
+        self.last_activity = time.monotonic()
+
+    def touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    @property
+    def live_count(self) -> int:
+        return sum(1 for sb in self.sandboxes.values() if sb.status not in TERMINAL)
+
+    # -- lookup -----------------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> LocalSandbox:
+        sandbox = self.sandboxes.get(sandbox_id)
+        if sandbox is None:
+            raise NotFound("sandbox not found")
+        return sandbox
+
+    def running(self, sandbox_id: str) -> LocalSandbox:
+        sandbox = self.get(sandbox_id)
+        if sandbox.status != SandboxStatus.RUNNING:
+            raise Conflict(f"sandbox is {sandbox.status.value}, not running", code="invalid_state")
+        return sandbox
+
+    def list(self, status: str | None = None) -> list[LocalSandbox]:
+        found = sorted(self.sandboxes.values(), key=lambda sb: sb.created_at)
+        if status:
+            return [sb for sb in found if sb.status.value == status]
+        return [sb for sb in found if sb.status != SandboxStatus.DESTROYED]
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def create(self, request: CreateSandboxRequest) -> LocalSandbox:
+        shape = next((s for s in SHAPES if s.id == request.shape), None)
+        if shape is None:
+            raise InvalidRequest(f"unknown shape {request.shape!r}", code="unknown_shape")
+        if request.rootfs and request.rootfs != LOCAL_ROOTFS:
+            raise InvalidRequest(f"unknown rootfs {request.rootfs!r}", code="unknown_rootfs")
+        name = request.name or self._free_name()
+        if any(sb.name == name and sb.status not in TERMINAL for sb in self.sandboxes.values()):
+            raise Conflict(f"a sandbox named {name!r} already exists", code="name_taken")
+        sandbox_id = new_sandbox_id()
+        sandbox = LocalSandbox(
+            id=sandbox_id, name=name, shape=shape, dirs=SandboxDirs(self.sandbox_root / sandbox_id),
+            envs=dict(request.envs or {}),
+            egress=[] if request.egress in (None, ["*"]) else list(request.egress),
+            auto_pause_after_seconds=request.auto_pause_after_seconds)
+        self.sandboxes[sandbox_id] = sandbox
+        try:
+            await self._start(sandbox)
+        except Exception:
+            sandbox.status = SandboxStatus.FAILED
+            await self._stop(sandbox)
+            raise
+        return sandbox
+
+    async def _start(self, sandbox: LocalSandbox) -> None:
+        started = time.monotonic()
+        sandbox.dirs.create(hostname="sandbox")
+        log_file = open(sandbox.dirs.root / "bwrap.log", "ab")
+        with log_file:
+            sandbox.process = await asyncio.create_subprocess_exec(
+                *bwrap_command(self.bwrap, sandbox.id, sandbox.dirs, AGENT_SCRIPT),
+                stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+        await self._wait_for_agent(sandbox)
+        sandbox.spawn_ms = int((time.monotonic() - started) * 1000)
+        sandbox.running_at = time.time()
+        sandbox.status = SandboxStatus.RUNNING
+        asyncio.get_running_loop().create_task(self._watch(sandbox))
+        log.info("sandbox %s running (%d ms)", sandbox.id, sandbox.spawn_ms)
+
+    async def _wait_for_agent(self, sandbox: LocalSandbox) -> None:
+        deadline = time.monotonic() + AGENT_START_TIMEOUT
+        assert sandbox.process is not None
+        while time.monotonic() < deadline:
+            if sandbox.process.returncode is not None:
+                detail = (sandbox.dirs.root / "bwrap.log").read_text(errors="replace").strip()
+                raise RuntimeError(f"sandbox failed to start: {detail[-500:] or 'bwrap exited'}")
+            with contextlib.suppress(AgentUnavailable, FileNotFoundError):
+                await sandbox.agent.ping()
+                return
+            await asyncio.sleep(0.01)
+        raise RuntimeError("sandbox agent did not answer within "
+                           f"{AGENT_START_TIMEOUT:.0f} s")
+
+    async def _watch(self, sandbox: LocalSandbox) -> None:
+        """Mark a sandbox whose agent died on its own as `error` (it can still be destroyed)."""
+        assert sandbox.process is not None
+        await sandbox.process.wait()
+        if sandbox.status == SandboxStatus.RUNNING:
+            log.warning("sandbox %s exited unexpectedly", sandbox.id)
+            sandbox.status = SandboxStatus.ERROR
+
+    async def destroy(self, sandbox_id: str) -> LocalSandbox:
+        sandbox = self.get(sandbox_id)
+        if sandbox.status in TERMINAL:
+            return sandbox
+        sandbox.status = SandboxStatus.DESTROYING
+        await self._stop(sandbox)
+        sandbox.status = SandboxStatus.DESTROYED
+        sandbox.destroyed_at = time.time()
+        self._forget_old_destroyed()
+        return sandbox
+
+    async def _stop(self, sandbox: LocalSandbox) -> None:
+        # Killing bwrap kills the sandbox's init (--die-with-parent), and with it the
+        # whole pid namespace: nothing of the sandbox outlives this.
+        if sandbox.process and sandbox.process.returncode is None:
+            sandbox.process.kill()
+            await sandbox.process.wait()
+        await asyncio.to_thread(shutil.rmtree, sandbox.dirs.root, True)
+
+    def _forget_old_destroyed(self) -> None:
+        destroyed = [sb for sb in self.sandboxes.values() if sb.status == SandboxStatus.DESTROYED]
+        for sandbox in sorted(destroyed, key=lambda sb: sb.destroyed_at or 0)[:-KEEP_DESTROYED]:
+            del self.sandboxes[sandbox.id]
+
+    def _free_name(self) -> str:
+        taken = {sb.name for sb in self.sandboxes.values() if sb.status not in TERMINAL}
+        while True:
+            name = f"{secrets.choice(ADJECTIVES)}-{secrets.choice(ANIMALS)}-{secrets.token_hex(2)}"
+            if name not in taken:
+                return name
+
+    async def close(self) -> None:
+        for sandbox in list(self.sandboxes.values()):
+            if sandbox.status not in TERMINAL:
+                await self.destroy(sandbox.id)
+
+    # -- work inside a sandbox --------------------------------------------------------
+
+    async def exec(self, sandbox_id: str, cmd: str, args: list[str]) -> AsyncIterator[dict]:
+        """Yield CreateOS exec frames; closing the iterator early kills the command."""
+        sandbox = self.running(sandbox_id)
+        try:
+            async for frame in sandbox.agent.exec(cmd, args, sandbox.envs):
+                yield frame
+        except AgentUnavailable:
+            yield {"error": "sandbox agent is not reachable"}
+            yield {"exit_code": -1}
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes) -> int:
+        sandbox = self.running(sandbox_id)
+        return await self._file_op(sandbox.agent.write_file(path, data))
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        sandbox = self.running(sandbox_id)
+        return await self._file_op(sandbox.agent.read_file(path))
+
+    @staticmethod
+    async def _file_op(operation):  # type: ignore[no-untyped-def]
+        try:
+            return await operation
+        except AgentError as exc:
+            if exc.code == "not_found":
+                raise NotFound(str(exc), code="file_not_found") from None
+            raise InvalidRequest(str(exc), code=exc.code) from None
+

@@ -1,0 +1,228 @@
+"""The local engine's HTTP face: CreateOS routes, envelopes and auth over an Engine.
+
+Every route answers exactly as createos-api.md describes CreateOS: JSend envelopes,
+paginated lists, raw bytes for file downloads, NDJSON for streaming exec with a
+heartbeat every 5 s, and the `X-Api-Key` header on every route except the public ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..api import envelope
+from ..api.models import (
+    CreateSandboxRequest,
+    CreateSandboxResponse,
+    DestroyResponse,
+    ExecRequest,
+    ExecResponse,
+    ExecResult,
+    FileUploadResponse,
+    Health,
+    Readiness,
+)
+from .agent_client import AgentUnavailable
+from .engine import ROOTFS, SHAPES, Engine, EngineError
+
+log = logging.getLogger("sandbox_kernel.server")
+
+PUBLIC_ROUTES = {"/healthz", "/readyz", "/v1/shapes", "/v1/rootfs"}
+HEARTBEAT_SECONDS = 5.0
+MAX_PAGE = 500
+DEFAULT_PAGE = 50
+
+
+def jsend(data: Any, status: int = 200) -> JSONResponse:
+    return JSONResponse(envelope.success(data), status_code=status)
+
+
+def jsend_fail(status: int, message: str, code: str | None = None) -> JSONResponse:
+    data: dict[str, Any] = {"message": message}
+    if code:
+        data["code"] = code
+    return JSONResponse(envelope.fail(data), status_code=status)
+
+
+def page(items: list[Any], limit: int, offset: int) -> JSONResponse:
+    limit = max(1, min(limit, MAX_PAGE))
+    offset = max(0, offset)
+    return jsend(envelope.paginated(items[offset:offset + limit], total=len(items),
+                                    limit=limit, offset=offset))
+
+
+def create_app(engine: Engine, token: str) -> FastAPI:
+    app = FastAPI(title="sandbox-kernel local engine (CreateOS-compatible)", version="1")
+    app.state.engine = engine
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):  # type: ignore[no-untyped-def]
+        request_id = uuid.uuid4().hex
+        if request.url.path not in PUBLIC_ROUTES:
+            offered = request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(offered.encode(), token.encode()):
+                response: Response = jsend_fail(401, "missing or invalid API key", "unauthorized")
+                response.headers["X-Request-Id"] = request_id
+                return response
+            engine.touch()
+        response = await call_next(request)
+        response.headers["X-Request-Id"] = request_id
+        return response
+
+    @app.exception_handler(EngineError)
+    async def engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        return jsend_fail(exc.status, str(exc), exc.code)
+
+    @app.exception_handler(AgentUnavailable)
+    async def agent_unavailable(_: Request, exc: AgentUnavailable) -> JSONResponse:
+        return JSONResponse(envelope.error("sandbox agent is not reachable", 502), status_code=502)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        fields = {".".join(str(p) for p in err["loc"][1:]) or "body": err["msg"]
+                  for err in exc.errors()}
+        return JSONResponse(envelope.fail({**fields, "code": "validation"}), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return jsend_fail(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(envelope.error("internal error", 500), status_code=500)
+
+    # -- health and catalog (no key) ---------------------------------------------------
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        return jsend(Health(up=True))
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        return jsend(Readiness(ready=True))
+
+    @app.get("/v1/shapes")
+    async def shapes(limit: int = DEFAULT_PAGE, offset: int = 0) -> JSONResponse:
+        return page(SHAPES, limit, offset)
+
+    @app.get("/v1/rootfs")
+    async def rootfs() -> JSONResponse:
+        return jsend(ROOTFS)
+
+    @app.get("/v1/whoami")
+    async def whoami() -> JSONResponse:
+        live = engine.list()
+        running = sum(1 for sb in live if sb.status.value == "running")
+        paused = sum(1 for sb in live if sb.status.value == "paused")
+        return jsend({"user_id": "local", "stats": {
+            "running": running, "paused": paused, "other": len(live) - running - paused,
+            "total": len(live)}})
+
+    # -- sandboxes ---------------------------------------------------------------------
+
+    @app.post("/v1/sandboxes")
+    async def create_sandbox(body: CreateSandboxRequest) -> JSONResponse:
+        sandbox = await engine.create(body)
+        view = sandbox.view()
+        return jsend(CreateSandboxResponse(**view.model_dump(exclude_none=True)))
+
+    @app.get("/v1/sandboxes")
+    async def list_sandboxes(status: str | None = None, limit: int = DEFAULT_PAGE,
+                             offset: int = 0) -> JSONResponse:
+        return page([sb.view() for sb in engine.list(status)], limit, offset)
+
+    @app.get("/v1/sandboxes/{sandbox_id}")
+    async def get_sandbox(sandbox_id: str) -> JSONResponse:
+        return jsend(engine.get(sandbox_id).view())
+
+    @app.delete("/v1/sandboxes/{sandbox_id}")
+    async def destroy_sandbox(sandbox_id: str) -> JSONResponse:
+        sandbox = await engine.destroy(sandbox_id)
+        return jsend(DestroyResponse(id=sandbox.id, status=sandbox.status))
+
+    # -- exec ----------------------------------------------------------------------------
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec")
+    async def exec_command(sandbox_id: str, body: ExecRequest,
+                           stream: bool = Query(False)) -> Response:
+        engine.running(sandbox_id)  # 404/409 as a JSend error before any stream starts
+        if stream or body.stream:
+            return StreamingResponse(exec_stream(engine, sandbox_id, body),
+                                     media_type="application/x-ndjson")
+        started = time.monotonic()
+        result = ExecResult(exit_code=-1)
+        async for frame in engine.exec(sandbox_id, body.cmd, body.args):
+            result.stdout += frame.get("stdout", "")
+            result.stderr += frame.get("stderr", "")
+            if "error" in frame:
+                result.error = frame["error"]
+            if "exit_code" in frame:
+                result.exit_code = frame["exit_code"]
+        return jsend(ExecResponse(result=result, exec_ms=(time.monotonic() - started) * 1000))
+
+    # -- files ---------------------------------------------------------------------------
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files")
+    async def upload(sandbox_id: str, request: Request, path: str = Query(...)) -> JSONResponse:
+        require_absolute(path)
+        data = await request.body()
+        written = await engine.write_file(sandbox_id, path, data)
+        return jsend(FileUploadResponse(bytes=written, path=path))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files")
+    async def download(sandbox_id: str, path: str = Query(...)) -> Response:
+        require_absolute(path)
+        data = await engine.read_file(sandbox_id, path)
+        return Response(content=data, media_type="application/octet-stream")
+
+    return app
+
+
+def require_absolute(path: str) -> None:
+    if not path.startswith("/"):
+        raise EngineError(f"path must be absolute: {path!r}", code="relative_path")
+
+
+async def exec_stream(engine: Engine, sandbox_id: str, body: ExecRequest) -> AsyncIterator[bytes]:
+    """NDJSON frames of one command, with {"hb": true} when nothing else was sent for 5 s.
+
+    When the client goes away, Starlette closes this generator; the pump task is then
+    cancelled, which closes the agent connection, which kills the command.
+    """
+    frames: asyncio.Queue[dict | None] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for frame in engine.exec(sandbox_id, body.cmd, body.args):
+                await frames.put(frame)
+        finally:
+            await frames.put(None)
+
+    task = asyncio.get_running_loop().create_task(pump())
+    try:
+        while True:
+            try:
+                frame = await asyncio.wait_for(frames.get(), HEARTBEAT_SECONDS)
+            except asyncio.TimeoutError:
+                frame = {"hb": True}
+            if frame is None:
+                return
+            yield (json.dumps(frame, separators=(",", ":")) + "\n").encode()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+

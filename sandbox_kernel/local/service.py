@@ -1,0 +1,174 @@
+"""Running the local engine as a service, and finding (or starting) it from a kernel.
+
+One engine per state directory. It listens on a unix socket (state_dir/engine.sock,
+0600) and on a random loopback port, and writes where in state_dir/engine.json. Its
+token lives in state_dir/token (0600); every route but the public ones needs it in
+`X-Api-Key`, exactly as CreateOS needs its key. An engine started on demand exits after
+an idle period with no sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from ..paths import write_private
+
+log = logging.getLogger("sandbox_kernel.service")
+
+ENGINE_FILE = "engine.json"
+TOKEN_FILE = "token"
+SOCKET_FILE = "engine.sock"
+START_TIMEOUT = 30.0
+SUN_PATH_MAX = 107
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    """How to reach a running engine: loopback URL, unix socket (if usable) and token."""
+
+    url: str
+    socket: str | None
+    token: str
+    pid: int
+
+
+def load_or_create_token(state_dir: Path) -> str:
+    path = state_dir / TOKEN_FILE
+    with contextlib.suppress(FileNotFoundError):
+        token = path.read_text().strip()
+        if token:
+            return token
+    token = secrets.token_urlsafe(32)
+    write_private(path, token)
+    return token
+
+
+def read_endpoint(state_dir: Path) -> EngineEndpoint | None:
+    """The engine recorded in state_dir, if its process is alive and it answers /healthz."""
+    try:
+        info = json.loads((state_dir / ENGINE_FILE).read_text())
+        token = (state_dir / TOKEN_FILE).read_text().strip()
+        os.kill(info["pid"], 0)
+    except (FileNotFoundError, ValueError, KeyError, ProcessLookupError, PermissionError):
+        return None
+    endpoint = EngineEndpoint(url=info["url"], socket=info.get("socket"), token=token,
+                              pid=info["pid"])
+    try:
+        response = httpx.get(endpoint.url + "/healthz", timeout=2.0, trust_env=False)
+        return endpoint if response.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def ensure_engine(state_dir: Path, idle_timeout: float = 600.0) -> EngineEndpoint:
+    """Return the running engine for state_dir, starting one in the background if needed.
+
+    A lock file serialises this, so two kernels starting at once share one engine.
+    """
+    with open(state_dir / "engine.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        endpoint = read_endpoint(state_dir)
+        if endpoint:
+            return endpoint
+        (state_dir / ENGINE_FILE).unlink(missing_ok=True)
+        log_file = open(state_dir / "engine.log", "ab")
+        with log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(state_dir),
+                 "--idle-timeout", str(idle_timeout)],
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                start_new_session=True)  # the engine outlives the kernel that started it
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError("the local engine failed to start; see "
+                                   f"{state_dir / 'engine.log'}")
+            endpoint = read_endpoint(state_dir)
+            if endpoint:
+                return endpoint
+            time.sleep(0.05)
+        process.kill()
+        raise RuntimeError(f"the local engine did not start within {START_TIMEOUT:.0f} s")
+
+
+def _listen_tcp(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _listen_unix(path: Path) -> socket.socket | None:
+    if len(str(path)) > SUN_PATH_MAX:
+        log.warning("state dir path too long for a unix socket; serving loopback TCP only")
+        return None
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX)
+    old_umask = os.umask(0o177)  # created 0600: no window where others may connect
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    return sock
+
+
+async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
+                idle_timeout: float = 0.0) -> None:
+    """Run the engine until SIGINT/SIGTERM, or until idle_timeout s pass with no sandboxes."""
+    import uvicorn
+
+    from .engine import Engine
+    from .server import create_app
+
+    token = load_or_create_token(state_dir)
+    engine = Engine(state_dir)
+    app = create_app(engine, token)
+    tcp = _listen_tcp(host, port)
+    unix = _listen_unix(state_dir / SOCKET_FILE)
+    sockets = [s for s in (tcp, unix) if s is not None]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    bound_host, bound_port = tcp.getsockname()[:2]
+    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+
+    async def announce_and_watch_idle() -> None:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        write_private(state_dir / ENGINE_FILE, json.dumps({
+            "url": f"http://{url_host}:{bound_port}",
+            "socket": str(state_dir / SOCKET_FILE) if unix else None,
+            "pid": os.getpid()}))
+        log.info("engine listening on %s:%s", url_host, bound_port)
+        while idle_timeout > 0:
+            await asyncio.sleep(min(idle_timeout, 5.0))
+            idle = time.monotonic() - engine.last_activity
+            if engine.live_count == 0 and idle >= idle_timeout:
+                log.info("idle for %.0f s with no sandboxes: exiting", idle)
+                server.should_exit = True
+                return
+
+    watcher = asyncio.get_running_loop().create_task(announce_and_watch_idle())
+    try:
+        await server.serve(sockets=sockets)
+    finally:
+        watcher.cancel()
+        await engine.close()
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+            if json.loads((state_dir / ENGINE_FILE).read_text())["pid"] == os.getpid():
+                (state_dir / ENGINE_FILE).unlink()
+        if unix:
+            (state_dir / SOCKET_FILE).unlink(missing_ok=True)
