@@ -1,0 +1,544 @@
+"""Async client of the CreateOS Sandbox REST API (and of the local engine, which speaks the same API).
+
+One ``httpx.AsyncClient`` (one connection pool) per :class:`SandboxClient`. Retry policy (createos-api.md §1.4/§15.1):
+
+* GET/HEAD/PUT/DELETE: retried on transport errors (connect, read, timeouts...) and on 408/500/502/503/504;
+* POST/PATCH (create, exec, pause, fork...): retried only on 429/503 (the server provably did not process them);
+* 429 is retried for every method;
+* never retried: streaming exec, file upload, file download, ``/readyz``;
+* at most ``max_retries`` retries; backoff ``min(0.5 * 2**n + random() * 0.5, 30)`` s; a ``Retry-After`` header
+  (delta-seconds or HTTP-date) replaces the backoff. A ``Retry-After`` longer than ``max_retry_after`` is not
+  waited for: the typed error (e.g. :class:`RateLimitError` with ``retry_after``) is raised at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from urllib.parse import quote, urlsplit
+
+import httpx
+import pydantic
+
+from .envelope import error_from_response, parse_response, protocol_error, unwrap_page
+from .errors import (
+    APITimeoutError,
+    APITransportError,
+    ProtocolError,
+    parse_retry_after,
+    redact,
+)
+from .models import (
+    CreateSandboxRequest,
+    CreateSandboxResponse,
+    DestroyResponse,
+    EgressUpdate,
+    EgressView,
+    ExecFrame,
+    ExecRequest,
+    ExecResponse,
+    FileUploadResponse,
+    ForkSandboxRequest,
+    Health,
+    PatchSandboxRequest,
+    Readiness,
+    RootfsCatalog,
+    SandboxView,
+    Shape,
+    StatusAck,
+)
+
+try:
+    from .. import __version__ as _VERSION
+except Exception:  # pragma: no cover - the package __init__ always defines it
+    _VERSION = "0"
+
+__all__ = ["SandboxClient", "ExecStream", "USER_AGENT", "PUBLIC_ROUTES", "PAGE_LIMIT"]
+
+USER_AGENT = f"sandbox-kernel/{_VERSION}"
+#: (method, path) pairs sent without the API key
+PUBLIC_ROUTES = frozenset({("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/v1/shapes"), ("GET", "/v1/rootfs")})
+#: page size asked for (the server clamps to 500)
+PAGE_LIMIT = 500
+
+_IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
+_RETRY_STATUS_IDEMPOTENT = frozenset({408, 429, 500, 502, 503, 504})
+_RETRY_STATUS_ANY = frozenset({429, 503})
+_SSE_SKIP_PREFIXES = (":", "event:", "id:", "retry:")
+_LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+def _backoff(attempt: int) -> float:
+    return min(0.5 * (2**attempt) + random.random() * 0.5, 30.0)
+
+
+def _seg(value: str) -> str:
+    """URL-encode one path segment (like encodeURIComponent)."""
+    return quote(str(value), safe="")
+
+
+class ExecStream:
+    """The frames of a streaming exec, as they arrive (``async for frame in stream``).
+
+    Iteration ends at EOF only (frames after ``exit_code`` are delivered). A line that is not a JSON object raises
+    :class:`ProtocolError` and closes the response; a connection dropped mid-stream raises :class:`APITransportError`.
+    """
+
+    def __init__(self, response: httpx.Response, *, method: str, path: str, secrets: Sequence[str | None]) -> None:
+        self.response = response
+        self.status_code = response.status_code
+        self.request_id = response.headers.get("x-request-id") or response.headers.get("x-fc-request-id")
+        self._method = method
+        self._path = path
+        self._secrets = list(secrets)
+        self._started = False
+
+    def __aiter__(self) -> AsyncIterator[ExecFrame]:
+        if self._started:
+            raise RuntimeError("an exec stream can be iterated only once")
+        self._started = True
+        return self._frames()
+
+    def _protocol_error(self, message: str) -> ProtocolError:
+        return protocol_error(message, self.response, method=self._method, path=self._path, secrets=self._secrets)
+
+    async def _frames(self) -> AsyncIterator[ExecFrame]:
+        try:
+            async for raw_line in self.response.aiter_lines():
+                line = raw_line.strip()
+                if not line or line.startswith(_SSE_SKIP_PREFIXES):
+                    continue
+                if line.startswith("data:"):
+                    line = line[5:].strip()
+                    if not line:
+                        continue
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    await self.response.aclose()
+                    raise self._protocol_error(f"stream line is not JSON: {line[:80]!r}") from None
+                if not isinstance(obj, dict):
+                    await self.response.aclose()
+                    raise self._protocol_error(f"stream line is not a JSON object: {line[:80]!r}")
+                try:
+                    frame = ExecFrame.model_validate(obj)
+                except pydantic.ValidationError as exc:
+                    await self.response.aclose()
+                    raise self._protocol_error(f"invalid exec frame: {_validation_summary(exc)}") from None
+                yield frame
+        except httpx.TimeoutException as exc:
+            raise APITimeoutError(
+                f"stream timed out ({type(exc).__name__})", method=self._method, path=self._path
+            ) from None
+        except httpx.TransportError as exc:
+            raise APITransportError(
+                f"stream interrupted ({type(exc).__name__}: {redact(str(exc), self._secrets)})",
+                method=self._method,
+                path=self._path,
+            ) from None
+        except httpx.StreamError as exc:  # e.g. stream already closed by the caller
+            raise APITransportError(
+                f"stream unavailable ({type(exc).__name__})", method=self._method, path=self._path
+            ) from None
+
+
+def _validation_summary(exc: pydantic.ValidationError) -> str:
+    """Field locations and messages only (never the input values)."""
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+class SandboxClient:
+    """Async client of the CreateOS Sandbox REST API.
+
+    Args:
+        base_url: e.g. ``https://api.sb.createos.sh`` or ``http://127.0.0.1:8765``. A trailing ``/`` is stripped and
+            a path prefix is kept (``https://h/api`` -> ``https://h/api/v1/...``). With ``uds`` it still forms the
+            URL (e.g. ``http://localhost``).
+        api_key: sent as ``X-Api-Key`` on every route except GET /healthz, /readyz, /v1/shapes, /v1/rootfs. None or
+            "" sends no key. Never appears in errors, reprs or logs.
+        uds: path of a unix socket to connect to instead of TCP.
+        timeout: per-request timeout (s), applied to connect, read, write and pool wait (each idle gap).
+        max_retries: retries after the first attempt (see the module docstring for the policy).
+        transport: an httpx transport (tests: ``httpx.MockTransport``); overrides ``uds``.
+        sleep: awaited between retries (inject a fake in tests).
+        max_retry_after: a ``Retry-After`` above this many seconds is not waited for; the error is raised instead.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        uds: str | None = None,
+        timeout: float = 60.0,
+        max_retries: int = 2,
+        transport: httpx.AsyncBaseTransport | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        max_retry_after: float = 120.0,
+    ) -> None:
+        split = urlsplit(base_url)
+        if split.scheme not in ("http", "https") or not split.netloc:
+            raise ValueError("base_url must be an http(s) URL with a host, e.g. https://api.sb.createos.sh")
+        if split.username is not None or split.password is not None or split.query or split.fragment:
+            raise ValueError("base_url must not contain credentials, a query or a fragment")
+        self._base_url = base_url.rstrip("/")
+        self._prefix = split.path.rstrip("/")
+        self._api_key = api_key or None
+        self._timeout = float(timeout)
+        self._max_retries = max(0, int(max_retries))
+        self._sleep = sleep
+        self._max_retry_after = float(max_retry_after)
+        if transport is None and uds is not None:
+            transport = httpx.AsyncHTTPTransport(uds=uds)
+        host = (split.hostname or "").lower()
+        self._http = httpx.AsyncClient(
+            transport=transport,
+            timeout=httpx.Timeout(self._timeout),
+            follow_redirects=False,
+            # env proxies / netrc must not capture a loopback or unix-socket local engine
+            trust_env=uds is None and host not in _LOOPBACK_HOSTS,
+            headers={"User-Agent": USER_AGENT, "Accept": "application/json"},
+        )
+
+    # ---------------------------------------------------------------------------------------------------- plumbing
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    def __repr__(self) -> str:
+        key = "set" if self._api_key else "none"
+        return f"SandboxClient(base_url={self._base_url!r}, api_key=<{key}>)"
+
+    async def __aenter__(self) -> "SandboxClient":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self._http.is_closed
+
+    @property
+    def _secrets(self) -> list[str | None]:
+        return [self._api_key]
+
+    def _headers(self, method: str, path: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if self._api_key and (method, path) not in PUBLIC_ROUTES:
+            headers["X-Api-Key"] = self._api_key
+        if extra:
+            headers.update(extra)
+        return headers
+
+    def _timeout_for(self, timeout: float | None) -> httpx.Timeout:
+        return httpx.Timeout(self._timeout if timeout is None else float(timeout))
+
+    def _transport_error(self, exc: Exception, method: str, path: str, attempts: int) -> APITransportError:
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        detail = redact(str(exc), self._secrets) or type(exc).__name__
+        if isinstance(exc, httpx.TimeoutException):
+            return APITimeoutError(f"timed out{tries} ({type(exc).__name__})", method=method, path=self._prefix + path)
+        return APITransportError(
+            f"{type(exc).__name__}{tries}: {detail}", method=method, path=self._prefix + path
+        )
+
+    def _should_retry_status(self, method: str, status: int) -> bool:
+        if status in _RETRY_STATUS_ANY:
+            return True
+        return method in _IDEMPOTENT and status in _RETRY_STATUS_IDEMPOTENT
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        json_body: Any = None,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+        retry: bool = True,
+    ) -> httpx.Response:
+        """Send one request with the retry policy; returns the (read) final response, whatever its status."""
+        url = self._base_url + path
+        hdrs = self._headers(method, path, headers)
+        attempt = 0
+        while True:
+            try:
+                response = await self._http.request(
+                    method,
+                    url,
+                    params=params,
+                    json=json_body,
+                    content=content,
+                    headers=hdrs,
+                    timeout=self._timeout_for(timeout),
+                )
+            except httpx.TransportError as exc:
+                if retry and method in _IDEMPOTENT and attempt < self._max_retries:
+                    await self._sleep(_backoff(attempt))
+                    attempt += 1
+                    continue
+                raise self._transport_error(exc, method, path, attempt + 1) from None
+            if retry and attempt < self._max_retries and self._should_retry_status(method, response.status_code):
+                delay = parse_retry_after(response.headers.get("retry-after"))
+                if delay is None:
+                    delay = _backoff(attempt)
+                elif delay > self._max_retry_after:
+                    return response  # not worth waiting: surface the typed error (retry_after set)
+                await self._sleep(delay)
+                attempt += 1
+                continue
+            return response
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        json_body: Any = None,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+        retry: bool = True,
+    ) -> Any:
+        """Send with retries and return the JSend ``data`` (or raise the typed error)."""
+        response = await self._send(
+            method,
+            path,
+            params=params,
+            json_body=json_body,
+            content=content,
+            headers=headers,
+            timeout=timeout,
+            retry=retry,
+        )
+        return parse_response(response, method=method, path=self._prefix + path, secrets=self._secrets)
+
+    def _decode(self, model: type[M], data: Any, method: str, path: str) -> M:
+        if data is None:
+            raise ProtocolError(
+                f"empty payload, expected {model.__name__}", method=method, path=self._prefix + path
+            )
+        try:
+            return model.model_validate(data)
+        except pydantic.ValidationError as exc:
+            raise ProtocolError(
+                f"invalid {model.__name__}: {_validation_summary(exc)}", method=method, path=self._prefix + path
+            ) from None
+
+    async def _paginate(self, path: str, model: type[M], params: dict[str, Any] | None = None) -> list[M]:
+        items: list[M] = []
+        offset = 0
+        while True:
+            query = dict(params or {})
+            query.update(limit=PAGE_LIMIT, offset=offset)
+            data = await self._call("GET", path, params=query)
+            try:
+                page, pagination = unwrap_page(data)
+            except ProtocolError as exc:
+                raise ProtocolError(exc.message, method="GET", path=self._prefix + path) from None
+            items.extend(self._decode(model, item, "GET", path) for item in page)
+            count = len(page)
+            total = pagination.total if pagination is not None else None
+            if count == 0 or total is None:
+                return items
+            offset += count
+            if offset >= total:
+                return items
+
+    @staticmethod
+    def _sb(sandbox_id: str) -> str:
+        if not sandbox_id:
+            raise ValueError("sandbox id must not be empty")
+        return f"/v1/sandboxes/{_seg(sandbox_id)}"
+
+    # ---------------------------------------------------------------------------------------------- health, catalog
+
+    async def healthz(self) -> Health:
+        return self._decode(Health, await self._call("GET", "/healthz"), "GET", "/healthz")
+
+    async def readyz(self) -> Readiness:
+        """``{ready, reason?, ...}``: decoded on 200 and on 503 (not ready). Never retried."""
+        path = "/readyz"
+        response = await self._send("GET", path, retry=False)
+        if response.status_code == 503:
+            try:
+                body = response.json()
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and isinstance(body.get("data"), dict) and "ready" in body["data"]:
+                return self._decode(Readiness, body["data"], "GET", path)
+        data = parse_response(response, method="GET", path=self._prefix + path, secrets=self._secrets)
+        return self._decode(Readiness, data, "GET", path)
+
+    async def shapes(self) -> list[Shape]:
+        return await self._paginate("/v1/shapes", Shape)
+
+    async def rootfs(self) -> RootfsCatalog:
+        return self._decode(RootfsCatalog, await self._call("GET", "/v1/rootfs"), "GET", "/v1/rootfs")
+
+    # ---------------------------------------------------------------------------------------------------- sandboxes
+
+    async def create_sandbox(
+        self, req: CreateSandboxRequest, *, timeout: float | None = None
+    ) -> CreateSandboxResponse:
+        """``POST /v1/sandboxes``: returns once the sandbox is running. Retried only on 429/503."""
+        path = "/v1/sandboxes"
+        data = await self._call("POST", path, json_body=req.to_wire(), timeout=timeout)
+        return self._decode(CreateSandboxResponse, data, "POST", path)
+
+    async def get_sandbox(self, sandbox_id: str) -> SandboxView:
+        path = self._sb(sandbox_id)
+        return self._decode(SandboxView, await self._call("GET", path), "GET", path)
+
+    async def list_sandboxes(self, status: str | None = None) -> list[SandboxView]:
+        """All sandboxes (every page), optionally filtered by status."""
+        params = {"status": str(status)} if status else None
+        return await self._paginate("/v1/sandboxes", SandboxView, params)
+
+    async def delete_sandbox(self, sandbox_id: str) -> DestroyResponse:
+        path = self._sb(sandbox_id)
+        return self._decode(DestroyResponse, await self._call("DELETE", path), "DELETE", path)
+
+    async def patch_sandbox(self, sandbox_id: str, req: PatchSandboxRequest) -> SandboxView:
+        path = self._sb(sandbox_id)
+        data = await self._call("PATCH", path, json_body=req.to_wire())
+        return self._decode(SandboxView, data, "PATCH", path)
+
+    def _view_or_ack(self, data: Any, method: str, path: str) -> SandboxView | StatusAck:
+        if isinstance(data, dict) and "created_at" in data:
+            return self._decode(SandboxView, data, method, path)
+        return self._decode(StatusAck, data, method, path)
+
+    async def pause_sandbox(self, sandbox_id: str) -> SandboxView | StatusAck:
+        """``POST .../pause`` (no body). Returns a :class:`SandboxView` when the server sends a full view, else a
+        :class:`StatusAck` ``{id, status}`` (early servers). Status is usually ``pausing``: poll until ``paused``."""
+        path = self._sb(sandbox_id) + "/pause"
+        return self._view_or_ack(await self._call("POST", path), "POST", path)
+
+    async def resume_sandbox(self, sandbox_id: str) -> SandboxView | StatusAck:
+        """``POST .../resume`` (no body); like :meth:`pause_sandbox`. Poll until ``running``."""
+        path = self._sb(sandbox_id) + "/resume"
+        return self._view_or_ack(await self._call("POST", path), "POST", path)
+
+    async def fork_sandbox(self, sandbox_id: str, req: ForkSandboxRequest | None = None) -> SandboxView:
+        """``POST .../fork``: the view of the new child. The source must be ``paused`` (else 409)."""
+        path = self._sb(sandbox_id) + "/fork"
+        body = (req or ForkSandboxRequest()).to_wire()
+        return self._decode(SandboxView, await self._call("POST", path, json_body=body), "POST", path)
+
+    async def get_egress(self, sandbox_id: str) -> EgressView:
+        path = self._sb(sandbox_id) + "/egress"
+        return self._decode(EgressView, await self._call("GET", path), "GET", path)
+
+    async def set_egress(self, sandbox_id: str, egress: Sequence[str] | None) -> EgressView:
+        """Replace the whole egress allowlist. ``None`` or ``[]`` = allow all (``None`` is sent as ``[]``, as the
+        Python SDK does)."""
+        path = self._sb(sandbox_id) + "/egress"
+        body = EgressUpdate(egress=list(egress) if egress is not None else []).to_wire()
+        return self._decode(EgressView, await self._call("PUT", path, json_body=body), "PUT", path)
+
+    # --------------------------------------------------------------------------------------------------------- exec
+
+    async def exec(
+        self, sandbox_id: str, cmd: str, args: Sequence[str] | None = None, *, timeout: float | None = None
+    ) -> ExecResponse:
+        """Buffered exec (no shell: use ``cmd="bash", args=["-lc", script]``). Retried only on 429/503."""
+        path = self._sb(sandbox_id) + "/exec"
+        body = ExecRequest(cmd=cmd, args=list(args or [])).to_wire()
+        data = await self._call("POST", path, json_body=body, timeout=timeout)
+        return self._decode(ExecResponse, data, "POST", path)
+
+    @asynccontextmanager
+    async def exec_stream(
+        self, sandbox_id: str, cmd: str, args: Sequence[str] | None = None, *, timeout: float | None = None
+    ) -> AsyncIterator[ExecStream]:
+        """Streaming exec: ``async with client.exec_stream(id, "ls") as frames: async for f in frames: ...``
+
+        Frames are yielded as they arrive. Leaving the block closes the response (early exit allowed). A non-2xx
+        answer raises the typed error on entry. Never retried. ``timeout`` bounds each idle gap (heartbeats keep a
+        healthy stream alive)."""
+        path = self._sb(sandbox_id) + "/exec"
+        body = ExecRequest(cmd=cmd, args=list(args or []), stream=True).to_wire()
+        request = self._http.build_request(
+            "POST",
+            self._base_url + path,
+            params={"stream": "true"},
+            json=body,
+            headers=self._headers("POST", path),
+            timeout=self._timeout_for(timeout),
+        )
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise self._transport_error(exc, "POST", path, 1) from None
+        try:
+            status = response.status_code
+            if not 200 <= status < 300:
+                try:
+                    await response.aread()
+                except httpx.HTTPError as exc:
+                    raise self._transport_error(exc, "POST", path, 1) from None
+                if 300 <= status < 400:
+                    raise protocol_error(
+                        f"unexpected redirect (HTTP {status})", response, method="POST", path=self._prefix + path
+                    )
+                raise error_from_response(response, method="POST", path=self._prefix + path, secrets=self._secrets)
+            yield ExecStream(response, method="POST", path=self._prefix + path, secrets=self._secrets)
+        finally:
+            await response.aclose()
+
+    # -------------------------------------------------------------------------------------------------------- files
+
+    async def upload_file(
+        self, sandbox_id: str, path: str, data: bytes, *, timeout: float | None = None
+    ) -> FileUploadResponse:
+        """``PUT .../files?path=<abs>`` with the raw bytes. Never retried."""
+        route = self._sb(sandbox_id) + "/files"
+        payload = await self._call(
+            "PUT",
+            route,
+            params={"path": path},
+            content=bytes(data),
+            headers={"Content-Type": "application/octet-stream"},
+            timeout=timeout,
+            retry=False,
+        )
+        if payload is None:
+            return FileUploadResponse()
+        return self._decode(FileUploadResponse, payload, "PUT", route)
+
+    async def download_file(self, sandbox_id: str, path: str, *, timeout: float | None = None) -> bytes:
+        """``GET .../files?path=<abs>``: the raw bytes on 200 (JSend error otherwise). Never retried."""
+        route = self._sb(sandbox_id) + "/files"
+        response = await self._send("GET", route, params={"path": path}, timeout=timeout, retry=False)
+        if response.status_code == 200:
+            return response.content
+        if 200 < response.status_code < 300:
+            raise protocol_error(
+                f"unexpected HTTP {response.status_code} for a download",
+                response,
+                method="GET",
+                path=self._prefix + route,
+            )
+        parse_response(response, method="GET", path=self._prefix + route, secrets=self._secrets)
+        raise protocol_error(  # pragma: no cover - parse_response always raises for non-2xx
+            "unexpected response", response, method="GET", path=self._prefix + route
+        )
+

@@ -1,0 +1,352 @@
+"""Wire-exact pydantic v2 models of the CreateOS Sandbox REST API (see createos-api.md).
+
+Shared by the client and by the local engine's server, so they describe the wire in both directions:
+
+* field names are the snake_case wire keys;
+* unknown keys are ignored (``extra="ignore"``), as the Go control plane and the SDKs do;
+* optional fields default to None and are *omitted* when serialised ("omitempty"). Serialise with
+  :meth:`WireModel.to_wire` (``model_dump(mode="json", exclude_none=True)``), never with a bare ``model_dump()``.
+  Two models differ: :class:`ForkSandboxRequest` sends every field that was explicitly set (an explicit ``False``,
+  ``[]`` or ``{}`` is sent; unset or None is omitted) and :class:`EgressUpdate` always sends ``egress`` (null allowed);
+* timestamps are kept as the RFC3339 strings the server sent, so they round-trip byte-exact;
+* decoding is strict on enums: an unknown sandbox status fails validation (the client turns that into
+  ``ProtocolError``, like the Python SDK).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Generic, List, Optional, TypeVar, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "WireModel",
+    "SandboxStatus",
+    "TRANSITIONAL",
+    "TERMINAL",
+    "Shape",
+    "RootfsEntry",
+    "RootfsCatalog",
+    "Health",
+    "Readiness",
+    "NetworkRef",
+    "DiskMount",
+    "CreateSandboxRequest",
+    "CreateSandboxResponse",
+    "StatusAck",
+    "SandboxView",
+    "PatchSandboxRequest",
+    "ForkSandboxRequest",
+    "DestroyResponse",
+    "EgressView",
+    "EgressUpdate",
+    "ExecRequest",
+    "ExecResult",
+    "ExecResponse",
+    "ExecFrame",
+    "Pagination",
+    "Page",
+    "FileUploadResponse",
+    "AUTO_PAUSE_MIN_SECONDS",
+    "AUTO_PAUSE_MAX_SECONDS",
+]
+
+AUTO_PAUSE_MIN_SECONDS = 60
+AUTO_PAUSE_MAX_SECONDS = 86400
+
+# An integer that stays an integer on the wire, but tolerates a float (e.g. spawn_ms measured with a fraction).
+Number = Union[int, float]
+
+
+class WireModel(BaseModel):
+    """Base of all wire models: unknown keys ignored, omitempty serialisation via :meth:`to_wire`."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON-ready dict to send: None fields omitted (omitempty)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class SandboxStatus(str, Enum):
+    """The 10 sandbox statuses (§4.1). A ``str`` subclass: ``status == "running"`` works."""
+
+    CREATING = "creating"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    RESUMING = "resuming"
+    FORKING = "forking"
+    DESTROYING = "destroying"
+    DESTROYED = "destroyed"
+    ERROR = "error"
+    FAILED = "failed"
+
+    def __str__(self) -> str:  # "running", not "SandboxStatus.RUNNING"
+        return self.value
+
+    @property
+    def is_transitional(self) -> bool:
+        return self in TRANSITIONAL
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL
+
+
+#: statuses that change on their own (poll until they settle)
+TRANSITIONAL: frozenset[SandboxStatus] = frozenset(
+    {
+        SandboxStatus.CREATING,
+        SandboxStatus.PAUSING,
+        SandboxStatus.RESUMING,
+        SandboxStatus.FORKING,
+        SandboxStatus.DESTROYING,
+    }
+)
+#: statuses a sandbox never leaves (``error`` is not terminal: it may be recoverable and can be destroyed)
+TERMINAL: frozenset[SandboxStatus] = frozenset({SandboxStatus.DESTROYED, SandboxStatus.FAILED})
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Catalog and health (§10)
+
+
+class Shape(WireModel):
+    id: str
+    vcpu: Number
+    mem_mib: int
+    default_disk_mib: int
+    cpu_quota_pct: Optional[Number] = None
+
+
+class RootfsEntry(WireModel):
+    name: str
+    description: Optional[str] = None
+    deprecated: Optional[bool] = None
+    successor: Optional[str] = None
+
+
+class RootfsCatalog(WireModel):
+    rootfs: List[str]
+    default: str
+    entries: Optional[List[RootfsEntry]] = None
+
+
+class Health(WireModel):
+    up: bool
+
+
+class Readiness(WireModel):
+    ready: bool
+    reason: Optional[str] = None
+    scheduler_last_ok_ms_ago: Optional[Number] = None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sandboxes (§3)
+
+
+class NetworkRef(WireModel):
+    id: str
+
+
+class DiskMount(WireModel):
+    disk_id: str
+    mount_path: str
+    sub_path: Optional[str] = None
+
+
+class CreateSandboxRequest(WireModel):
+    """Body of ``POST /v1/sandboxes``. Only ``shape`` is required; everything else is omitted when None.
+
+    ``bandwidth_quota_bytes`` does not exist here on purpose (the server rejects it at create)."""
+
+    shape: str
+    rootfs: Optional[str] = None
+    name: Optional[str] = None
+    networks: Optional[List[NetworkRef]] = None
+    disk_mib: Optional[int] = Field(default=None, ge=0)
+    egress: Optional[List[str]] = None
+    envs: Optional[dict[str, str]] = None
+    ssh_pubkeys: Optional[List[str]] = None
+    host_id: Optional[str] = None
+    node_selector: Optional[dict[str, str]] = None
+    ingress_enabled: Optional[bool] = None
+    disks: Optional[List[DiskMount]] = None
+    region: Optional[str] = None
+    auto_pause_after_seconds: Optional[int] = Field(
+        default=None, ge=AUTO_PAUSE_MIN_SECONDS, le=AUTO_PAUSE_MAX_SECONDS
+    )
+
+
+class CreateSandboxResponse(WireModel):
+    """``data`` of ``POST /v1/sandboxes``. ``status`` defaults to ``running`` when absent (TS servers omit it;
+    create returns only once the VM is up)."""
+
+    id: str
+    status: SandboxStatus = SandboxStatus.RUNNING
+    name: Optional[str] = None
+    ip: Optional[str] = None
+    shape: Optional[str] = None
+    rootfs: Optional[str] = None
+    vcpu: Optional[Number] = None
+    mem_mib: Optional[int] = None
+    disk_mib: Optional[int] = None
+    spawn_ms: Optional[Number] = None
+    egress: Optional[List[str]] = None
+    bandwidth_quota_bytes: Optional[int] = None
+    ingress_url_template: Optional[str] = None
+    ingress_enabled: Optional[bool] = None
+    ssh_pubkeys: Optional[List[str]] = None
+    created_at: Optional[str] = None
+
+
+class StatusAck(WireModel):
+    """``{id, status}``: what an early server answers to pause/resume. :class:`SandboxView` is a subclass, so
+    ``isinstance(x, StatusAck)`` holds for both and ``x.id`` / ``x.status`` always work."""
+
+    id: str
+    status: SandboxStatus
+
+
+class SandboxView(StatusAck):
+    """``SandboxView`` (§3.2): GET one / list / patch / pause / resume / fork."""
+
+    vcpu: Number
+    mem_mib: int
+    disk_mib: int
+    created_at: str
+    ingress_enabled: bool
+    ip: Optional[str] = None
+    name: Optional[str] = None
+    ingress_url_template: Optional[str] = None
+    running_at: Optional[str] = None
+    destroyed_at: Optional[str] = None
+    paused_at: Optional[str] = None
+    last_resumed_at: Optional[str] = None
+    spawn_ms: Optional[Number] = None
+    shape: Optional[str] = None
+    rootfs: Optional[str] = None
+    region: Optional[str] = None
+    egress: Optional[List[str]] = None
+    envs: Optional[List[str]] = None  # names only, never values
+    ssh_pubkeys: Optional[List[str]] = None
+    created_by: Optional[str] = None
+    bandwidth_ingress_bytes: Optional[int] = None
+    bandwidth_quota_bytes: Optional[int] = None
+    forked_from: Optional[str] = None
+    auto_pause_after_seconds: Optional[int] = None
+
+
+class PatchSandboxRequest(WireModel):
+    """Body of ``PATCH /v1/sandboxes/:id``; omitted = unchanged. ``disable_auto_pause=True`` clears the timeout."""
+
+    ingress_enabled: Optional[bool] = None
+    auto_pause_after_seconds: Optional[int] = Field(
+        default=None, ge=AUTO_PAUSE_MIN_SECONDS, le=AUTO_PAUSE_MAX_SECONDS
+    )
+    disable_auto_pause: Optional[bool] = None
+
+
+class ForkSandboxRequest(WireModel):
+    """Body of ``POST /v1/sandboxes/:id/fork``; omitted fields inherit from the source.
+
+    Serialisation sends every field that was explicitly set and not None, so an explicit ``False``, ``[]`` or ``{}``
+    is sent (``ForkSandboxRequest(egress=[], ingress_enabled=False)`` -> ``{"egress": [], "ingress_enabled": false}``)
+    and no overrides -> ``{}``."""
+
+    start_paused: Optional[bool] = None
+    ssh_pubkeys: Optional[List[str]] = None
+    egress: Optional[List[str]] = None
+    ingress_enabled: Optional[bool] = None
+    envs: Optional[dict[str, str]] = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+
+
+class DestroyResponse(StatusAck):
+    """``data`` of ``DELETE /v1/sandboxes/:id``: ``{id, status: destroying|destroyed}``."""
+
+
+class EgressView(WireModel):
+    id: str
+    egress: Optional[List[str]] = None
+
+
+class EgressUpdate(WireModel):
+    """Body of ``PUT /v1/sandboxes/:id/egress``: replaces the whole list. ``[]`` or null = allow all."""
+
+    egress: Optional[List[str]] = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")  # egress always present (null is meaningful)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Exec (§5)
+
+
+class ExecRequest(WireModel):
+    cmd: str
+    args: List[str] = Field(default_factory=list)
+    stream: Optional[bool] = None
+
+
+class ExecResult(WireModel):
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int
+    error: Optional[str] = None
+
+
+class ExecResponse(WireModel):
+    result: ExecResult
+    exec_ms: float
+
+
+class ExecFrame(WireModel):
+    """One NDJSON frame of a streaming exec. All keys optional; several may be present in one frame (consume them
+    in the order hb -> stdout -> stderr -> error -> exit_code). ``{}`` and unknown keys carry nothing."""
+
+    hb: Optional[bool] = None
+    stdout: Optional[str] = None
+    stderr: Optional[str] = None
+    error: Optional[str] = None
+    exit_code: Optional[int] = None
+
+    @property
+    def is_heartbeat(self) -> bool:
+        return bool(self.hb)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pagination (§1.3)
+
+
+class Pagination(WireModel):
+    total: Optional[int] = None
+    limit: Optional[int] = None
+    offset: Optional[int] = None
+    count: Optional[int] = None
+
+
+T = TypeVar("T")
+
+
+class Page(WireModel, Generic[T]):
+    """The ``data`` of a paginated route: ``{data: [...], pagination: {total, limit, offset, count}}``."""
+
+    data: List[T]
+    pagination: Optional[Pagination] = None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Files (§8)
+
+
+class FileUploadResponse(WireModel):
+    bytes: Optional[int] = None
+    path: Optional[str] = None
