@@ -28,7 +28,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_install(args: argparse.Namespace) -> int:
     from .kernelspec import install
 
-    where = install(name=args.name, user=args.user, sys_prefix=args.sys_prefix, prefix=args.prefix)
+    where = install(name=args.name, sys_prefix=args.sys_prefix, prefix=args.prefix)
     print(f"Installed kernelspec {args.name!r} (\"Python (sandbox)\") in {where}")
     return 0
 

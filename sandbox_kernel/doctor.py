@@ -1,0 +1,97 @@
+"""`sandbox-kernel doctor`: what isolation this host gives a local sandbox, and why."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import ConfigError, Settings
+from .local.bwrap import BwrapNotFound, find_bwrap
+from .paths import state_dir
+
+NAMESPACES = ("user", "pid", "net", "ipc", "uts")
+
+
+def cgroup_version() -> str:
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        return "v2 (unified)"
+    if Path("/sys/fs/cgroup/memory").is_dir() or Path("/sys/fs/cgroup/freezer").is_dir():
+        return "v1"
+    return "none mounted"
+
+
+def probe_bwrap(bwrap: str) -> tuple[bool, str]:
+    """Start a throw-away sandbox with every namespace the engine uses."""
+    args = [bwrap] + [f"--unshare-{ns}" for ns in NAMESPACES] + [
+        "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
+        "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev",
+        "--die-with-parent", "--cap-drop", "ALL", "/usr/bin/true"]
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, str(exc)
+    if result.returncode == 0:
+        return True, "ok"
+    return False, (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
+
+
+def report() -> tuple[bool, list[str]]:
+    lines = [f"sandbox-kernel doctor — {platform.system()} {platform.release()}, "
+             f"Python {platform.python_version()} ({sys.executable})"]
+    ok = True
+    try:
+        settings = Settings.from_env()
+        key = "set" if settings.api_key else "not set"
+        lines.append(f"provider: {settings.description} (CREATEOS_SANDBOX_API_KEY {key})")
+    except ConfigError as exc:
+        ok = False
+        lines.append(f"provider: misconfigured: {exc}")
+
+    lines.append("")
+    lines.append("local engine isolation:")
+    if platform.system() != "Linux":
+        lines.append("  ✗ the local engine needs Linux (bubblewrap and namespaces); use CreateOS")
+        return False, lines
+    try:
+        bwrap = find_bwrap()
+    except BwrapNotFound as exc:
+        lines.append(f"  ✗ {exc}")
+        return False, lines
+    version = subprocess.run([bwrap, "--version"], capture_output=True, text=True).stdout.strip()
+    lines.append(f"  bwrap: {bwrap} ({version or 'unknown version'})")
+    works, detail = probe_bwrap(bwrap)
+    if works:
+        lines.append("  ✓ namespaces: " + ", ".join(NAMESPACES) + ", mount: a test sandbox started")
+        lines.append("  ✓ filesystem: read-only /usr and Python environment; private /workspace and /tmp;"
+                     " no host home, host /proc or host sockets")
+        lines.append("  ✓ network: loopback only (no network device)")
+        lines.append("  ✓ privileges: all capabilities dropped, no_new_privs (bwrap)")
+    else:
+        ok = False
+        lines.append(f"  ✗ a test sandbox failed: {detail}")
+        lines.append("    unprivileged user namespaces may be disabled "
+                     "(sysctl kernel.unprivileged_userns_clone=1, or user.max_user_namespaces > 0)")
+    lines.append(f"  cgroups: {cgroup_version()}, running as uid {os.getuid()}")
+    lines.append("  ✗ limits: the shape's memory, CPU, process and disk limits are NOT enforced yet "
+                 "on the local engine (planned); use CreateOS for hard limits")
+
+    lines.append("")
+    lines.append("sandbox Python (the engine's environment, shared read-only):")
+    for module in ("IPython", "matplotlib", "matplotlib_inline"):
+        found = importlib.util.find_spec(module) is not None
+        lines.append(f"  {'✓' if found else '-'} {module}{'' if found else ' not installed'}")
+
+    from .local.service import read_endpoint
+
+    endpoint = read_endpoint(state_dir())
+    lines.append("")
+    if endpoint:
+        lines.append(f"engine: running (pid {endpoint.pid}) at {endpoint.url}"
+                     + (f" and {endpoint.socket}" if endpoint.socket else ""))
+    else:
+        lines.append("engine: not running (a kernel starts it on demand)")
+    return ok, lines

@@ -1,0 +1,32 @@
+"""Installing the "Python (sandbox)" kernelspec where `jupyter kernelspec list` finds it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from importlib.resources import files
+from pathlib import Path
+
+from jupyter_client.kernelspec import KernelSpecManager
+
+SPEC_FILES = ("kernel.json", "logo-32x32.png", "logo-64x64.png")
+
+
+def install(name: str = "sandbox", sys_prefix: bool = False, prefix: str | None = None) -> str:
+    """Install the kernelspec (per user unless sys_prefix or prefix is given); return its dir."""
+    source = files("sandbox_kernel.kernelspec_files")
+    with tempfile.TemporaryDirectory() as tmp:
+        for filename in SPEC_FILES:
+            with (source / filename).open("rb") as src, open(Path(tmp) / filename, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        spec_path = Path(tmp) / "kernel.json"
+        spec = json.loads(spec_path.read_text())
+        # The kernel must run with the Python that has sandbox_kernel installed.
+        spec["argv"][0] = sys.executable
+        spec_path.write_text(json.dumps(spec, indent=2) + "\n")
+        if sys_prefix:
+            prefix = sys.prefix
+        return KernelSpecManager().install_kernel_spec(
+            tmp, kernel_name=name, user=not prefix, prefix=prefix)
