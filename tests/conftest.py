@@ -1,0 +1,68 @@
+"""Shared fixtures: one real local engine per test run, and the installed kernelspec.
+
+Everything runs for real: the engine is `sandbox-kernel serve` in a subprocess with its
+own state dir, kernels are started by jupyter_client from the installed kernelspec, and
+sandboxes are bwrap sandboxes. Nothing of our own is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandbox_kernel.local.service import EngineEndpoint, read_endpoint
+
+KERNEL_NAME = "sandbox-test"
+
+
+@pytest.fixture(scope="session")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private state dir for this run; kernels started by tests inherit it."""
+    path = Path(tmp_path_factory.mktemp("state"))
+    os.environ["SANDBOX_KERNEL_STATE_DIR"] = str(path)
+    os.environ.pop("CREATEOS_SANDBOX_API_KEY", None)
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine(state_dir: Path) -> Iterator[EngineEndpoint]:
+    """A local engine serving both loopback TCP and a unix socket."""
+    log = open(state_dir / "engine.log", "ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(state_dir)],
+        stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + 30
+    endpoint = None
+    while endpoint is None and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+        endpoint = read_endpoint(state_dir)
+    if endpoint is None:
+        process.kill()
+        pytest.fail("local engine did not start: " + (state_dir / "engine.log").read_text()[-2000:])
+    yield endpoint
+    process.terminate()
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+@pytest.fixture(scope="session")
+def kernelspec(engine: EngineEndpoint, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Install the kernelspec with the real CLI into a private prefix on JUPYTER_PATH."""
+    prefix = Path(tmp_path_factory.mktemp("jupyter-prefix"))
+    subprocess.run([sys.executable, "-m", "sandbox_kernel", "install", "--prefix", str(prefix),
+                    "--name", KERNEL_NAME], check=True, capture_output=True)
+    data_dir = prefix / "share" / "jupyter"
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(
+        p for p in (str(data_dir), os.environ.get("JUPYTER_PATH")) if p)
+    spec = json.loads((data_dir / "kernels" / KERNEL_NAME / "kernel.json").read_text())
+    assert spec["display_name"] == "Python (sandbox)"
+    return KERNEL_NAME
