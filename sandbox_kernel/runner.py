@@ -1,0 +1,1051 @@
+#!/usr/bin/env python3
+"""The in-sandbox half of sandbox-kernel: one self-contained, stdlib-only file.
+
+The kernel uploads this file into the sandbox and uses it in two roles:
+
+* ``runner.py serve DIR`` is a persistent daemon that owns the user's Python
+  globals. It runs cells one at a time in its main thread (with IPython when
+  importable, with a small ast-based executor otherwise) and records every
+  output event of a cell, in memory and in ``DIR/cells/<cell_id>.ndjson``.
+* ``runner.py run|attach|request DIR B64`` are short-lived clients, started
+  through the sandbox's exec API (no stdin) for each cell or operation. They
+  talk to the daemon over ``DIR/runner.sock`` and copy its answer, NDJSON, to
+  stdout. B64 is base64 of a JSON object, which avoids any quoting problems.
+
+Client/daemon protocol: the client sends one JSON line ``{"op": ..., ...}``;
+the daemon answers with NDJSON lines (the events of a cell, or exactly one
+reply object) and closes the connection.
+
+Clients start once per cell, so their start-up time is part of every cell's
+latency: only the few modules they need are imported at module level, the rest
+of the stdlib (and IPython) is imported by ``serve`` alone.
+
+Must run on Python 3.8+.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import sys
+
+SOCKET_NAME = "runner.sock"
+READY_NAME = "ready"
+JOURNAL_DIR_NAME = "cells"
+NO_IPYTHON_ENV = "SANDBOX_KERNEL_RUNNER_NO_IPYTHON"
+MAX_CELLS = 200  # beyond this many cells the oldest finished ones are forgotten
+CLIENT_COMMANDS = ("run", "attach", "request")
+USAGE = (
+    "usage: runner.py serve DIR\n"
+    "       runner.py run DIR B64JSON\n"
+    "       runner.py attach DIR B64JSON\n"
+    "       runner.py request DIR B64JSON\n"
+)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "serve":
+        return serve(argv[1])
+    if len(argv) == 3 and argv[0] in CLIENT_COMMANDS:
+        message = _decode_argument(argv[2])
+        if message is not None:
+            return run_client(argv[0], argv[1], message)
+    sys.stderr.write(USAGE)
+    return 2
+
+
+def _decode_argument(argument: str) -> dict | None:
+    """base64(JSON object) -> dict, or None when it is not one."""
+    try:
+        message = json.loads(base64.b64decode(argument, validate=True))
+    except ValueError:  # binascii.Error, UnicodeDecodeError and JSONDecodeError all are
+        return None
+    return message if isinstance(message, dict) else None
+
+
+# --------------------------------------------------------------------------
+# Clients
+# --------------------------------------------------------------------------
+
+
+def run_client(command: str, state_dir: str, message: dict) -> int:
+    """Send one request to the daemon and copy its answer to stdout.
+
+    Failures are reported as a ``{"error": ...}`` line on stdout and exit
+    status 1, so the kernel always has JSON to parse.
+    """
+    if command != "request":
+        message = dict(message, op=command)
+    out = sys.stdout.buffer
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(os.path.join(state_dir, SOCKET_NAME))
+            sock.sendall(json.dumps(message).encode("utf-8") + b"\n")
+            first, last = _relay(sock, out)
+    except OSError as exc:
+        return _client_error(out, "daemon unreachable: %s" % exc)
+    if first.startswith(b'{"error"'):
+        return 1
+    if command == "run" and b'"type": "done"' not in last:
+        # The daemon went away mid-cell; a partial line may have been copied.
+        out.write(b"\n")
+        return _client_error(out, "connection to the daemon was lost")
+    return 0
+
+
+def _relay(sock: socket.socket, out) -> tuple[bytes, bytes]:
+    """Copy everything the daemon sends to ``out`` as soon as it arrives.
+
+    Returns the start of the first line and the last complete line, which is
+    all the client needs to know (error? done?) without parsing every event.
+    """
+    first = b""
+    tail = b""
+    while True:
+        data = sock.recv(1 << 16)
+        if not data:
+            break
+        out.write(data)
+        out.flush()
+        if not first:
+            first = data[:16]
+        tail = (tail + data)[-1024:]
+    complete_lines = tail.rsplit(b"\n", 2)
+    last = complete_lines[-2] if len(complete_lines) >= 2 else b""
+    return first, last
+
+
+def _client_error(out, message: str) -> int:
+    out.write(json.dumps({"error": message}).encode("utf-8") + b"\n")
+    out.flush()
+    return 1
+
+
+# --------------------------------------------------------------------------
+# Daemon
+# --------------------------------------------------------------------------
+
+
+def serve(state_dir: str) -> int:
+    _import_daemon_modules()
+    Daemon(os.path.abspath(state_dir)).serve_forever()
+    return 0
+
+
+def _import_daemon_modules() -> None:
+    """Import what only the daemon needs (see the module docstring for why)."""
+    global ast, builtins, codecs, getpass, importlib, inspect, io, linecache
+    global platform, queue, re, rlcompleter, select, signal, threading, time
+    global tokenize, traceback, types
+    import ast
+    import builtins
+    import codecs
+    import getpass
+    import importlib.util
+    import inspect
+    import io
+    import linecache
+    import platform
+    import queue
+    import re
+    import rlcompleter
+    import select
+    import signal
+    import threading
+    import time
+    import tokenize
+    import traceback
+    import types
+
+
+def _json_default(value: object) -> object:
+    # Jupyter carries binary mime data (image/png, ...) as base64 text.
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(value).decode("ascii")
+    return repr(value)
+
+
+def _encode_line(obj: dict) -> bytes:
+    # ensure_ascii: the exec API hands our stdout over as text; keep it pure ASCII.
+    return (json.dumps(obj, ensure_ascii=True, default=_json_default) + "\n").encode("ascii")
+
+
+class Cell:
+    """One submitted cell and its events, which clients can (re)read from any seq.
+
+    Events are kept in memory (encoded) and appended to the cell's journal as
+    they are produced, so a client whose connection dropped can attach again
+    and get exactly the events it has not seen yet.
+    """
+
+    def __init__(self, cell_id: str, code: str, silent: bool, store_history: bool, journal_path: str,
+                 execution_count: int | None = None):
+        self.cell_id = cell_id
+        self.code = code
+        self.silent = silent
+        self.store_history = store_history
+        # The kernel's own count, when it numbers cells (magics it handles on the host
+        # take numbers too); None lets the runner count.
+        self.execution_count = execution_count
+        self.journal_path = journal_path
+        self.finished = False
+        self._lines: list[bytes] = []
+        self._changed = threading.Condition()
+        self._journal = open(journal_path, "wb")
+
+    def emit(self, type_: str, **fields: object) -> None:
+        with self._changed:
+            event = {"seq": len(self._lines) + 1, "type": type_}
+            event.update(fields)
+            line = _encode_line(event)
+            self._lines.append(line)
+            self._journal.write(line)
+            self._journal.flush()
+            if type_ == "done":
+                self.finished = True
+                self._journal.close()
+            self._changed.notify_all()
+
+    def read_after(self, after: int, deadline: float | None) -> tuple[list[bytes], bool]:
+        """Wait for events with seq > after (or the end of the cell, or the
+        monotonic deadline); return them and whether the cell has finished."""
+        with self._changed:
+            while len(self._lines) <= after and not self.finished:
+                timeout = None if deadline is None else deadline - time.monotonic()
+                if timeout is not None and timeout <= 0:
+                    break
+                self._changed.wait(timeout)
+            return self._lines[after:], self.finished
+
+
+class FdCapture:
+    """Points file descriptors 1 and 2 at pipes, so that what subprocesses,
+    ``!cmd`` and C extensions write is captured like Python-level output.
+
+    The originals are kept as the daemon's log (the kernel points them at
+    DIR/runner.log). The pipes' read ends are non-blocking: the router drains
+    them both from a reader thread and, synchronously, before each Python-level
+    write, which keeps ``print`` and ``os.write(1, ...)`` in program order.
+    """
+
+    def __init__(self) -> None:
+        self.log_fds = {"stdout": os.dup(1), "stderr": os.dup(2)}
+        self._pipes: dict[int, tuple[str, codecs.IncrementalDecoder]] = {}
+        self._waiter = select.poll()  # used by the reader thread only (poll objects aren't thread-safe)
+        self._checker = select.poll()  # used under the router's lock
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            read_fd, write_fd = os.pipe()
+            os.dup2(write_fd, fd)
+            os.close(write_fd)
+            os.set_blocking(read_fd, False)
+            # Incremental decoding never splits a multi-byte character across events.
+            self._pipes[read_fd] = (name, codecs.getincrementaldecoder("utf-8")("replace"))
+            self._waiter.register(read_fd, select.POLLIN)
+            self._checker.register(read_fd, select.POLLIN)
+
+    def wait_readable(self) -> None:
+        self._waiter.poll()
+
+    def has_output(self) -> bool:
+        """Cheap check (one syscall) done before every Python-level write."""
+        return bool(self._checker.poll(0))
+
+    def read_available(self) -> list[tuple[str, str]]:
+        """(stream name, text) for whatever is in the pipes right now; never blocks."""
+        chunks = []
+        for fd, _ in self._checker.poll(0):
+            name, decoder = self._pipes[fd]
+            text = decoder.decode(_read_nonblocking(fd))
+            if text:
+                chunks.append((name, text))
+        return chunks
+
+
+def _read_nonblocking(fd: int) -> bytes:
+    data = []
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        data.append(chunk)
+    return b"".join(data)
+
+
+class OutputRouter:
+    """The single funnel for everything the current cell outputs.
+
+    Stream text is coalesced (flushed every FLUSH_INTERVAL or past MAX_PENDING
+    characters) because one event per ``print`` would be far too slow; a
+    change of stream and every other event flush it first, so the order the
+    user's code produced is preserved. Output while no cell runs goes to the
+    daemon's log.
+    """
+
+    FLUSH_INTERVAL = 0.01
+    MAX_PENDING = 64 * 1024
+
+    def __init__(self, capture: FdCapture):
+        self._capture = capture
+        self._lock = threading.Lock()
+        self._has_pending = threading.Condition(self._lock)
+        self._cell: Cell | None = None
+        self._pending_name = ""
+        self._pending: list[str] = []
+        self._pending_size = 0
+
+    def start_threads(self) -> None:
+        for target in (self._read_fds_forever, self._flush_forever):
+            threading.Thread(target=target, name=target.__name__, daemon=True).start()
+
+    @property
+    def current_cell(self) -> Cell | None:
+        return self._cell
+
+    def begin(self, cell: Cell) -> None:
+        with self._lock:
+            self._absorb_fd_output()  # earlier output belongs to the log, not to this cell
+            self._cell = cell
+
+    def end(self) -> None:
+        with self._lock:
+            self._absorb_fd_output()
+            self._flush()
+            self._cell = None
+
+    def write(self, name: str, text: str) -> None:
+        """Python-level write to sys.stdout / sys.stderr."""
+        with self._lock:
+            if self._capture.has_output():
+                self._absorb_fd_output()
+            self._append(name, text)
+
+    def emit(self, type_: str, **fields: object) -> None:
+        """A non-stream event of the current cell (dropped outside cells)."""
+        with self._lock:
+            self._absorb_fd_output()
+            self._flush()
+            if self._cell is None:
+                self.log("dropped a %s event produced outside of any cell\n" % type_)
+            else:
+                self._cell.emit(type_, **fields)
+
+    def log(self, text: str) -> None:
+        _write_all(self._capture.log_fds["stderr"], text.encode("utf-8", "replace"))
+
+    def _absorb_fd_output(self) -> None:
+        for name, text in self._capture.read_available():
+            self._append(name, text)
+
+    def _append(self, name: str, text: str) -> None:
+        if not text:
+            return
+        if self._cell is None:
+            _write_all(self._capture.log_fds[name], text.encode("utf-8", "replace"))
+            return
+        if self._pending and name != self._pending_name:
+            self._flush()
+        if not self._pending:
+            self._has_pending.notify()
+        self._pending_name = name
+        self._pending.append(text)
+        self._pending_size += len(text)
+        if self._pending_size >= self.MAX_PENDING:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending and self._cell is not None:
+            self._cell.emit("stream", name=self._pending_name, text="".join(self._pending))
+        self._pending = []
+        self._pending_size = 0
+
+    def _flush_forever(self) -> None:
+        while True:
+            with self._has_pending:
+                while not self._pending:
+                    self._has_pending.wait()
+            time.sleep(self.FLUSH_INTERVAL)  # let more text accumulate
+            with self._lock:
+                self._flush()
+
+    def _read_fds_forever(self) -> None:
+        while True:
+            self._capture.wait_readable()
+            with self._lock:
+                self._absorb_fd_output()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _make_cell_stream(router: OutputRouter, name: str, fd: int) -> io.TextIOBase:
+    """A sys.stdout / sys.stderr replacement that feeds the router."""
+
+    class CellStream(io.TextIOBase):
+        encoding = "utf-8"
+        errors = "replace"
+
+        def __init__(self) -> None:
+            super().__init__()
+            # Binary writes go straight to the (captured) fd, unbuffered so they keep their place.
+            self.buffer = open(fd, "wb", buffering=0, closefd=False)
+
+        def write(self, text: str) -> int:
+            if not isinstance(text, str):
+                raise TypeError("write() argument must be str, not %s" % type(text).__name__)
+            router.write(name, text)
+            return len(text)
+
+        def writable(self) -> bool:
+            return True
+
+        def fileno(self) -> int:
+            return fd  # fds 1 and 2 are captured as well, for libraries that want a real fd
+
+        def isatty(self) -> bool:
+            return False
+
+    return CellStream()
+
+
+class InputBridge:
+    """``input()`` and ``getpass.getpass()`` for user code.
+
+    There is no stdin: asking emits an input_request event and blocks until
+    the kernel answers through ``request {"op": "input"}``. An interrupt
+    raises KeyboardInterrupt out of the wait like out of any blocking call.
+    """
+
+    def __init__(self, router: OutputRouter):
+        self._router = router
+        self._lock = threading.Lock()
+        self._pending: tuple[str, threading.Event, list[str]] | None = None
+
+    def install(self) -> None:
+        builtins.input = self.input
+        getpass.getpass = self.getpass
+
+    def input(self, prompt: object = "") -> str:
+        return self._ask(str(prompt), password=False)
+
+    def getpass(self, prompt: str = "Password: ", stream: object = None) -> str:
+        return self._ask(prompt, password=True)
+
+    def answer(self, cell_id: str, value: str | None) -> bool:
+        """Deliver the answer; None means the frontend cannot answer (input() raises EOFError)."""
+        with self._lock:
+            if self._pending is None or self._pending[0] != cell_id:
+                return False
+            _, answered, box = self._pending
+            self._pending = None
+        box.append(value)
+        answered.set()
+        return True
+
+    def _ask(self, prompt: str, password: bool) -> str:
+        cell = self._router.current_cell
+        if cell is None:
+            raise EOFError("input is only available while a cell runs")
+        answered = threading.Event()
+        box: list[str | None] = []
+        with self._lock:
+            self._pending = (cell.cell_id, answered, box)
+        try:
+            self._router.emit("input_request", prompt=prompt, password=password)
+            answered.wait()
+        finally:
+            with self._lock:
+                self._pending = None
+        if box[0] is None:
+            raise EOFError("input() is not available: this frontend does not accept input")
+        return box[0]
+
+
+# ----------------------------------------------------------- plain engine
+
+
+def _mime_bundle(obj: object) -> dict:
+    """Jupyter mime bundle of ``obj`` from its ``_repr_*_`` methods (IPython-less)."""
+    data: dict = {}
+    if not isinstance(obj, type):  # on a class these would be unbound methods
+        mimebundle = getattr(obj, "_repr_mimebundle_", None)
+        if callable(mimebundle):
+            bundle = mimebundle(include=None, exclude=None)
+            data.update(bundle[0] if isinstance(bundle, tuple) else bundle or {})
+        for mime, method_name in _REPR_METHODS:
+            method = getattr(obj, method_name, None)
+            value = method() if callable(method) else None
+            if isinstance(value, tuple):  # (data, metadata)
+                value = value[0]
+            if value is not None and mime not in data:
+                data[mime] = value
+    data.setdefault("text/plain", repr(obj))
+    return data
+
+
+_REPR_METHODS = (
+    ("text/html", "_repr_html_"),
+    ("text/markdown", "_repr_markdown_"),
+    ("text/latex", "_repr_latex_"),
+    ("image/svg+xml", "_repr_svg_"),
+    ("image/png", "_repr_png_"),
+    ("image/jpeg", "_repr_jpeg_"),
+    ("application/json", "_repr_json_"),
+    ("application/javascript", "_repr_javascript_"),
+)
+
+
+def _ends_with_semicolon(code: str) -> bool:
+    """True if the last token of the cell is ';' (which silences its result)."""
+    skipped = (tokenize.ENDMARKER, tokenize.NEWLINE, tokenize.NL, tokenize.COMMENT,
+               tokenize.INDENT, tokenize.DEDENT)
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(code).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    for token in reversed(tokens):
+        if token.type not in skipped:
+            return token.type == tokenize.OP and token.string == ";"
+    return False
+
+
+def _name_at(code: str, cursor_pos: int) -> str:
+    """The dotted name under (or just before) the cursor; inside ``f(`` it is ``f``."""
+    def is_name_char(char: str) -> bool:
+        return char.isalnum() or char == "_"
+
+    start = end = cursor_pos
+    while end < len(code) and is_name_char(code[end]):
+        end += 1
+    while start > 0 and (is_name_char(code[start - 1]) or code[start - 1] == "."):
+        start -= 1
+    name = code[start:end].strip(".")
+    if not name and cursor_pos > 0 and code[cursor_pos - 1] == "(":
+        return _name_at(code, cursor_pos - 1)
+    return name
+
+
+class PlainEngine:
+    """Runs cells without IPython.
+
+    Statements run in order; a final expression is evaluated and becomes the
+    execute_result. Each cell gets a ``<cell-N>`` filename registered in
+    linecache so tracebacks show its source, and the daemon's own frames are
+    stripped from them. Open pyplot figures are shown as PNGs after each cell.
+    """
+
+    ipython_version = None
+
+    def __init__(self, router: OutputRouter):
+        self._router = router
+        # A fresh __main__ module, so that pickling classes defined in cells works.
+        main_module = types.ModuleType("__main__")
+        main_module.__dict__["__builtins__"] = builtins
+        sys.modules["__main__"] = main_module
+        self.namespace = main_module.__dict__
+        self.execution_count = 1  # the count the next stored cell gets
+        self._cells_run = 0
+        builtins.display = self.display
+
+    def run(self, code: str, silent: bool, store_history: bool, count: int) -> bool:
+        self._cells_run += 1
+        filename = "<cell-%d>" % self._cells_run
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        if store_history:
+            self.execution_count += 1
+        try:
+            value = self._execute(code, filename)
+            if value is not None and not silent and not _ends_with_semicolon(code):
+                self.namespace["_"] = value
+                self._router.emit("execute_result", execution_count=count,
+                                  data=_mime_bundle(value), metadata={})
+            ok = True
+        except BaseException:  # noqa: B902 - SystemExit and KeyboardInterrupt are user errors here
+            self._report_error(*sys.exc_info())
+            ok = False
+        self._show_figures()
+        return ok
+
+    def display(self, *objs: object, display_id: str | None = None, update: bool = False,
+                metadata: dict | None = None, **_ignored: object) -> None:
+        """The ``display()`` builtin of the IPython-less mode."""
+        transient = {"display_id": display_id} if display_id else {}
+        for obj in objs:
+            self._router.emit("update_display_data" if update else "display_data",
+                              data=_mime_bundle(obj), metadata=metadata or {}, transient=transient)
+
+    def complete(self, code: str, cursor_pos: int) -> dict:
+        start = cursor_pos
+        while start > 0 and (code[start - 1].isalnum() or code[start - 1] in "_."):
+            start -= 1
+        text = code[start:cursor_pos]
+        matches: list[str] = []
+        if text:  # rlcompleter answers a tab character for empty text
+            completer = rlcompleter.Completer(self.namespace)
+            try:
+                for state in range(10000):
+                    match = completer.complete(text, state)
+                    if match is None:
+                        break
+                    match = match.rstrip("(")
+                    if match not in matches:
+                        matches.append(match)
+            except Exception:  # e.g. the running cell changed the namespace under us
+                pass
+        return {"matches": matches, "cursor_start": start, "cursor_end": cursor_pos, "metadata": {}}
+
+    def inspect(self, code: str, cursor_pos: int, detail_level: int) -> dict:
+        name = _name_at(code, cursor_pos)
+        try:
+            obj = self._lookup(name)
+        except (KeyError, AttributeError):
+            return {"found": False, "data": {}, "metadata": {}}
+        return {"found": True, "data": {"text/plain": _describe(name, obj, detail_level)}, "metadata": {}}
+
+    def _lookup(self, dotted_name: str) -> object:
+        """Resolve a dotted name by plain lookups (never evaluating code)."""
+        if not dotted_name:
+            raise KeyError(dotted_name)
+        first, *rest = dotted_name.split(".")
+        obj = self.namespace[first] if first in self.namespace else vars(builtins)[first]
+        for attribute in rest:
+            obj = getattr(obj, attribute)
+        return obj
+
+    def _execute(self, code: str, filename: str) -> object:
+        """Run the cell; return the value of its final expression, if any."""
+        # dont_inherit: this file's __future__ imports must not leak into user code.
+        tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, filename, "exec", dont_inherit=True), self.namespace)
+        if last is None:
+            return None
+        expression = ast.Expression(last.value)
+        return eval(compile(expression, filename, "eval", dont_inherit=True), self.namespace)
+
+    def _report_error(self, etype: type, value: BaseException, tb: types.TracebackType | None) -> None:
+        while tb is not None and tb.tb_frame.f_code.co_filename == _THIS_FILE:
+            tb = tb.tb_next  # the user's cell is where their traceback starts
+        if issubclass(etype, SyntaxError):
+            lines = traceback.format_exception_only(etype, value)
+        else:
+            lines = traceback.format_exception(etype, value, tb)
+        self._router.emit("error", ename=etype.__name__, evalue=str(value),
+                          traceback=[line.rstrip("\n") for line in lines])
+
+    def _show_figures(self) -> None:
+        """Emit open pyplot figures as PNG (what matplotlib-inline does with IPython)."""
+        pyplot = sys.modules.get("matplotlib.pyplot")
+        if pyplot is None:  # never import matplotlib on the user's behalf
+            return
+        try:
+            for number in pyplot.get_fignums():
+                figure = pyplot.figure(number)
+                png = io.BytesIO()
+                figure.savefig(png, format="png", bbox_inches="tight")
+                self._router.emit("display_data", data={"image/png": png.getvalue(), "text/plain": repr(figure)},
+                                  metadata={}, transient={})
+        except Exception:
+            self._router.write("stderr", traceback.format_exc())
+        finally:
+            pyplot.close("all")
+
+
+def _describe(name: str, obj: object, detail_level: int) -> str:
+    """pydoc-like text for inspect requests: signature, type, docstring (and source)."""
+    lines = []
+    try:
+        lines.append("Signature: %s%s" % (name, inspect.signature(obj)))
+    except (TypeError, ValueError):
+        pass
+    lines.append("Type:      %s" % type(obj).__name__)
+    doc = inspect.getdoc(obj)
+    if doc:
+        lines.append("Docstring:\n" + doc)
+    if detail_level:
+        try:
+            lines.append("Source:\n" + inspect.getsource(obj))
+        except (OSError, TypeError):
+            pass
+    return "\n".join(lines)
+
+
+def _this_file() -> str:
+    """The filename this file's frames carry (to strip them from tracebacks)."""
+    return _this_file.__code__.co_filename
+
+
+_THIS_FILE = _this_file()
+
+
+# --------------------------------------------------------- IPython engine
+
+
+class IPythonEngine:
+    """Runs cells with a full IPython InteractiveShell (magics, ``!cmd``, rich
+    display, IPython tracebacks) whose output machinery emits events."""
+
+    def __init__(self, router: OutputRouter):
+        import IPython
+
+        self.ipython_version = IPython.__version__
+        self._count = 0
+        self.shell = _build_ipython_shell(router.emit, lambda: self._count)
+
+    @property
+    def execution_count(self) -> int:
+        return self.shell.execution_count
+
+    @execution_count.setter
+    def execution_count(self, count: int) -> None:
+        self.shell.execution_count = count
+
+    def run(self, code: str, silent: bool, store_history: bool, count: int) -> bool:
+        self._count = count
+        result = self.shell.run_cell(code, store_history=store_history, silent=silent)
+        return result.success
+
+    def complete(self, code: str, cursor_pos: int) -> dict:
+        # The provisional completions API (what ipykernel uses): unlike the
+        # older shell.complete() it still finds user names when jedi is installed.
+        from IPython.core.completer import provisionalcompleter, rectify_completions
+
+        with provisionalcompleter():
+            completions = list(rectify_completions(code, self.shell.Completer.completions(code, cursor_pos)))
+        start, end = (completions[0].start, completions[0].end) if completions else (cursor_pos, cursor_pos)
+        return {"matches": [completion.text for completion in completions], "cursor_start": start,
+                "cursor_end": end, "metadata": {}}
+
+    def inspect(self, code: str, cursor_pos: int, detail_level: int) -> dict:
+        from IPython.utils.tokenutil import token_at_cursor
+
+        name = token_at_cursor(code, cursor_pos)
+        try:
+            bundle = self.shell.object_inspect_mime(name, detail_level=detail_level)
+        except KeyError:
+            return {"found": False, "data": {}, "metadata": {}}
+        bundle.pop("text/html", None)  # like ipykernel without an HTML pager
+        return {"found": True, "data": bundle, "metadata": {}}
+
+
+def _build_ipython_shell(emit, current_count):
+    """An InteractiveShell whose displays, results and tracebacks become events
+    (the same hooks ipykernel's ZMQInteractiveShell uses)."""
+    from IPython.core.displayhook import DisplayHook
+    from IPython.core.displaypub import DisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets import Type
+    from traitlets.config import Config
+
+    class EventDisplayPublisher(DisplayPublisher):
+        def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
+            emit("update_display_data" if update else "display_data",
+                 data=data, metadata=metadata or {}, transient=transient or {})
+
+        def clear_output(self, wait=False):
+            emit("clear_output", wait=bool(wait))
+
+    class EventDisplayHook(DisplayHook):
+        """The value of a cell's last expression becomes an execute_result."""
+
+        def start_displayhook(self):
+            self._bundle = ({}, {})
+
+        def write_output_prompt(self):
+            pass  # no "Out[N]:" text: the count travels in the event
+
+        def write_format_data(self, format_dict, md_dict=None):
+            self._bundle = (format_dict, md_dict or {})
+
+        def finish_displayhook(self):
+            data, metadata = self._bundle
+            if data:
+                emit("execute_result", execution_count=current_count(), data=data, metadata=metadata)
+
+        def quiet(self):
+            # The base class looks at the history, which cells run with
+            # store_history=False never reach; look at this cell instead.
+            if self.exec_result is None:
+                return super().quiet()
+            return _ends_with_semicolon(self.exec_result.info.raw_cell)
+
+    class EventShell(InteractiveShell):
+        displayhook_class = Type(EventDisplayHook)
+        display_pub_class = Type(EventDisplayPublisher)
+
+        def _showtraceback(self, etype, evalue, stb):
+            emit("error", ename=etype.__name__, evalue=str(evalue), traceback=list(stb))
+
+        def ask_exit(self):
+            pass  # exit()/quit() in a cell must not end the daemon
+
+        def enable_gui(self, gui=None):
+            if gui not in (None, "inline"):
+                raise NotImplementedError("GUI event loop %r is not available in the sandbox" % gui)
+
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"  # no sqlite file, no history-saving thread
+    return EventShell.instance(config=config)
+
+
+# ----------------------------------------------------------------- daemon
+
+
+class Daemon:
+    """Holds the user's session: accepts clients on the unix socket in
+    background threads and runs queued cells one by one in the main thread
+    (required for signal-based KeyboardInterrupt)."""
+
+    def __init__(self, state_dir: str):
+        self.state_dir = state_dir
+        self.socket_path = os.path.join(state_dir, SOCKET_NAME)
+        self.ready_path = os.path.join(state_dir, READY_NAME)
+        self.journal_dir = os.path.join(state_dir, JOURNAL_DIR_NAME)
+        self._cells: dict[str, Cell] = {}  # in submission order
+        self._queue: queue.Queue[Cell] = queue.Queue()
+        self._lock = threading.Lock()
+        self._running: Cell | None = None
+        self._main_thread = threading.get_ident()
+
+    def serve_forever(self) -> None:
+        os.makedirs(self.journal_dir, mode=0o700, exist_ok=True)
+        os.chmod(self.state_dir, 0o700)
+        self.router = OutputRouter(FdCapture())
+        self.router.start_threads()
+        threading.excepthook = self._log_thread_exception
+        sys.stdout = _make_cell_stream(self.router, "stdout", 1)
+        sys.stderr = _make_cell_stream(self.router, "stderr", 2)
+        self.engine = self._create_engine()
+        self.inputs = InputBridge(self.router)
+        self.inputs.install()
+        # SIGINT is ignored between cells and a KeyboardInterrupt during them.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda signum, frame: self._exit())
+        server = self._listen()
+        threading.Thread(target=self._accept_forever, args=(server,), name="accept", daemon=True).start()
+        self._write_ready()
+        while True:
+            self._execute(self._queue.get())
+
+    def _create_engine(self):
+        use_ipython = os.environ.get(NO_IPYTHON_ENV) != "1" and _importable("IPython")
+        inline = use_ipython and _importable("matplotlib_inline")
+        # Must be set before user code imports matplotlib.
+        os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline" if inline else "Agg"
+        if use_ipython:
+            try:
+                return IPythonEngine(self.router)
+            except Exception:
+                self.router.log("IPython failed to start, using the plain engine:\n" + traceback.format_exc())
+                os.environ["MPLBACKEND"] = "Agg"
+        return PlainEngine(self.router)
+
+    def _info(self) -> dict:
+        return {
+            "pid": os.getpid(),
+            "python_version": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "ipython_version": self.engine.ipython_version,
+        }
+
+    def _listen(self) -> socket.socket:
+        if os.path.exists(self.socket_path):
+            if _socket_alive(self.socket_path):
+                raise SystemExit("another daemon is serving %s" % self.socket_path)
+            os.remove(self.socket_path)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket is created 0600, with no window
+        try:
+            server.bind(self.socket_path)
+        finally:
+            os.umask(old_umask)
+        server.listen(64)
+        return server
+
+    def _write_ready(self) -> None:
+        temporary = self.ready_path + ".tmp"
+        with open(temporary, "w") as ready:
+            json.dump(self._info(), ready)
+        os.replace(temporary, self.ready_path)
+
+    def _exit(self) -> None:
+        for path in (self.ready_path, self.socket_path):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        os._exit(0)
+
+    def _log_thread_exception(self, args) -> None:
+        text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+        self.router.log("exception in thread %s:\n%s" % (args.thread and args.thread.name, text))
+
+    # --- execution (main thread)
+
+    def _execute(self, cell: Cell) -> None:
+        stored = cell.store_history and not cell.silent
+        if stored and cell.execution_count is not None:
+            self.engine.execution_count = cell.execution_count
+        count = self.engine.execution_count if stored else self.engine.execution_count - 1
+        self.router.begin(cell)
+        ok = False
+        try:
+            self.router.emit("started", execution_count=count)
+            ok = self._run_user_code(cell, stored, count)
+        except Exception:
+            self.router.log("internal error running %s:\n%s" % (cell.cell_id, traceback.format_exc()))
+        finally:
+            self.router.end()
+            cell.emit("done", status="ok" if ok else "error", execution_count=count)
+            cell.code = ""  # the journal has what matters now
+
+    def _run_user_code(self, cell: Cell, stored: bool, count: int) -> bool:
+        with self._lock:
+            self._running = cell
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            return self.engine.run(cell.code, cell.silent, stored, count)
+        except KeyboardInterrupt:  # landed in engine code rather than in the user's
+            self.router.emit("error", ename="KeyboardInterrupt", evalue="", traceback=[])
+            return False
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            with self._lock:
+                self._running = None
+
+    # --- connections (background threads)
+
+    def _accept_forever(self, server: socket.socket) -> None:
+        while True:
+            connection, _ = server.accept()
+            threading.Thread(target=self._serve_connection, args=(connection,), daemon=True).start()
+
+    def _serve_connection(self, connection: socket.socket) -> None:
+        with connection:
+            try:
+                with connection.makefile("rb") as reader:
+                    request = json.loads(reader.readline())
+                if not isinstance(request, dict):
+                    raise ValueError("the request must be a JSON object")
+                op = request.get("op")
+                if op in ("run", "attach"):
+                    self._stream(connection, request)
+                    return
+                connection.sendall(_encode_line(self._one_shot(op, request)))
+                if op == "shutdown":
+                    connection.close()
+                    self._exit()
+            except OSError:
+                pass  # the client went away; a later attach can resume
+            except Exception as exc:  # a bad request: tell the client why
+                try:
+                    connection.sendall(_encode_line({"error": "%s: %s" % (type(exc).__name__, exc)}))
+                except OSError:
+                    pass
+
+    def _stream(self, connection: socket.socket, request: dict) -> None:
+        """Send a cell's events with seq > after, until done or ``wait`` seconds."""
+        after = int(request.get("after") or 0)
+        if request["op"] == "run":
+            cell = self._submit(request)
+            wait = None
+        else:
+            cell = self._cells.get(_checked_cell_id(request.get("cell_id")))
+            wait = request.get("wait")
+        if cell is None:
+            connection.sendall(_encode_line({"seq": after + 1, "type": "done", "status": "unknown"}))
+            return
+        deadline = None if wait is None else time.monotonic() + float(wait)
+        while True:
+            lines, finished = cell.read_after(after, deadline)
+            if lines:
+                connection.sendall(b"".join(lines))
+                after += len(lines)
+            if finished or (deadline is not None and time.monotonic() >= deadline):
+                return
+
+    def _submit(self, request: dict) -> Cell:
+        """Queue a cell, unless that cell_id is known already (then just return it)."""
+        cell_id = _checked_cell_id(request.get("cell_id"))
+        with self._lock:
+            cell = self._cells.get(cell_id)
+            if cell is None:
+                code = request["code"] if "code" in request else _take_code_file(request["code_file"])
+                count = request.get("execution_count")
+                cell = Cell(cell_id, code, bool(request.get("silent")), bool(request.get("store_history", True)),
+                            os.path.join(self.journal_dir, cell_id + ".ndjson"),
+                            count if isinstance(count, int) else None)
+                self._cells[cell_id] = cell
+                self._forget_old_cells()
+                self._queue.put(cell)
+        return cell
+
+    def _forget_old_cells(self) -> None:
+        excess = len(self._cells) - MAX_CELLS
+        for old in [cell for cell in self._cells.values() if cell.finished][:max(excess, 0)]:
+            del self._cells[old.cell_id]
+            try:
+                os.remove(old.journal_path)
+            except OSError:
+                pass
+
+    def _one_shot(self, op: object, request: dict) -> dict:
+        if op == "interrupt":
+            return {"ok": True, "running": self._interrupt()}
+        if op == "input":
+            value = None if request.get("eof") else str(request.get("value", ""))
+            return {"ok": self.inputs.answer(str(request.get("cell_id")), value)}
+        if op == "complete":
+            return self.engine.complete(request["code"], int(request["cursor_pos"]))
+        if op == "inspect":
+            return self.engine.inspect(request["code"], int(request["cursor_pos"]),
+                                       int(request.get("detail_level") or 0))
+        if op == "info":
+            return dict(self._info(), execution_count=self.engine.execution_count)
+        if op == "shutdown":
+            return {"ok": True}
+        raise ValueError("unknown op %r" % (op,))
+
+    def _interrupt(self) -> str | None:
+        with self._lock:
+            running = self._running
+            if running is not None:
+                # Delivered to the main thread so blocking calls (sleep, input) wake up too.
+                signal.pthread_kill(self._main_thread, signal.SIGINT)
+        return running.cell_id if running is not None else None
+
+
+def _checked_cell_id(cell_id: object) -> str:
+    if not isinstance(cell_id, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", cell_id):
+        raise ValueError("invalid cell_id %r" % (cell_id,))
+    return cell_id
+
+
+def _take_code_file(path: str) -> str:
+    """Code of a very large cell, uploaded as a file; consumed once read."""
+    with open(path, encoding="utf-8") as code_file:
+        code = code_file.read()
+    os.remove(path)
+    return code
+
+
+def _importable(module_name: str) -> bool:
+    return importlib.util.find_spec(module_name) is not None
+
+
+def _socket_alive(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

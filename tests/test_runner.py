@@ -1,0 +1,497 @@
+"""Tests of sandbox_kernel/runner.py, run as the kernel runs it: a daemon
+subprocess (on the host, in a temporary directory) and short-lived clients.
+
+Most tests run against both engines: IPython and the forced plain fallback.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+RUNNER = Path(__file__).resolve().parents[1] / "sandbox_kernel" / "runner.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def b64(message: dict) -> str:
+    return base64.b64encode(json.dumps(message).encode()).decode()
+
+
+def parse(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line]
+
+
+def new_cell_id() -> str:
+    return "cell-" + uuid.uuid4().hex
+
+
+class Daemon:
+    """A runner daemon in a temporary directory, and its clients."""
+
+    def __init__(self, plain: bool):
+        self.plain = plain
+        # A short path: unix socket paths are limited to ~107 bytes.
+        self.dir = tempfile.mkdtemp(prefix="skr-", dir="/tmp")
+        env = dict(os.environ)
+        env.pop("MPLBACKEND", None)
+        if plain:
+            env["SANDBOX_KERNEL_RUNNER_NO_IPYTHON"] = "1"
+        self.log = open(os.path.join(self.dir, "runner.log"), "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(RUNNER), "serve", self.dir],
+            stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=env,
+        )
+        ready = Path(self.dir, "ready")
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert self.proc.poll() is None, self.log_text()
+            assert time.monotonic() < deadline, "daemon did not get ready"
+            time.sleep(0.02)
+        self.ready = json.loads(ready.read_text())
+
+    def log_text(self) -> str:
+        return Path(self.dir, "runner.log").read_text(errors="replace")
+
+    def command(self, command: str, message: dict, timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(RUNNER), command, self.dir, b64(message)],
+                              capture_output=True, text=True, timeout=timeout)
+
+    def popen(self, command: str, message: dict) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(RUNNER), command, self.dir, b64(message)],
+                                stdout=subprocess.PIPE, text=True)
+
+    def run(self, code: str, cell_id: str | None = None, silent: bool = False,
+            store_history: bool = True, after: int = 0) -> list[dict]:
+        result = self.command("run", {"cell_id": cell_id or new_cell_id(), "code": code, "silent": silent,
+                                      "store_history": store_history, "after": after})
+        assert result.returncode == 0, (result.stdout, result.stderr)
+        return parse(result.stdout)
+
+    def attach(self, cell_id: str, after: int = 0, wait: float | None = None) -> list[dict]:
+        result = self.command("attach", {"cell_id": cell_id, "after": after, "wait": wait})
+        assert result.returncode == 0, (result.stdout, result.stderr)
+        return parse(result.stdout)
+
+    def request(self, message: dict) -> dict:
+        result = self.command("request", message)
+        lines = parse(result.stdout)
+        assert len(lines) == 1, result.stdout
+        return lines[0]
+
+    def stop(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.request({"op": "shutdown"})
+                self.proc.wait(5)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=["ipython", "plain"])
+def daemon(request):
+    d = Daemon(plain=request.param == "plain")
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def ipython_daemon():
+    d = Daemon(plain=False)
+    yield d
+    d.stop()
+
+
+def of_type(events: list[dict], type_: str) -> list[dict]:
+    return [event for event in events if event["type"] == type_]
+
+
+def streams(events: list[dict]) -> list[tuple[str, str]]:
+    """Stream output as (name, text) runs, adjacent events of one stream merged."""
+    runs: list[tuple[str, str]] = []
+    for event in of_type(events, "stream"):
+        if runs and runs[-1][0] == event["name"]:
+            runs[-1] = (event["name"], runs[-1][1] + event["text"])
+        else:
+            runs.append((event["name"], event["text"]))
+    return runs
+
+
+def stdout_of(events: list[dict]) -> str:
+    return "".join(event["text"] for event in of_type(events, "stream") if event["name"] == "stdout")
+
+
+def plain_text(lines: list[str]) -> str:
+    """Traceback lines joined, without ANSI colours."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(lines))
+
+
+def assert_well_formed(events: list[dict]) -> None:
+    assert [event["seq"] for event in events] == list(range(1, len(events) + 1))
+    assert events[0]["type"] == "started"
+    assert events[-1]["type"] == "done"
+    assert of_type(events, "done") == [events[-1]]
+
+
+# ------------------------------------------------------------------ basics
+
+
+def test_ready_file_and_info(daemon):
+    assert daemon.ready["pid"] == daemon.proc.pid
+    assert daemon.ready["python_version"] == "%d.%d.%d" % sys.version_info[:3]
+    assert daemon.ready["implementation"] == "CPython"
+    if daemon.plain:
+        assert daemon.ready["ipython_version"] is None
+    else:
+        import IPython
+        assert daemon.ready["ipython_version"] == IPython.__version__
+    info = daemon.request({"op": "info"})
+    assert {key: info[key] for key in daemon.ready} == daemon.ready
+    assert isinstance(info["execution_count"], int)
+    assert oct(os.stat(daemon.dir).st_mode & 0o777) == "0o700"
+    assert oct(os.stat(os.path.join(daemon.dir, "runner.sock")).st_mode & 0o777) == "0o600"
+
+
+def test_state_persists_across_cells(daemon):
+    assert_well_formed(daemon.run("persisted_value = 20"))
+    events = daemon.run("print(persisted_value + 1)")
+    assert_well_formed(events)
+    assert streams(events) == [("stdout", "21\n")]
+    assert events[-1]["status"] == "ok"
+
+
+def test_stdout_stderr_interleaving(daemon):
+    code = "import sys\nprint('a')\nprint('b', file=sys.stderr)\nprint('c')\nsys.stderr.write('d\\n')"
+    assert streams(daemon.run(code)) == [("stdout", "a\n"), ("stderr", "b\n"), ("stdout", "c\n"), ("stderr", "d\n")]
+
+
+def test_fd_level_output_is_captured_in_order(daemon):
+    code = ("import os, subprocess, sys\n"
+            "print('a')\n"
+            "os.write(1, b'b\\n')\n"
+            "print('c')\n"
+            "os.write(2, 'h\\u00e9\\n'.encode())\n"
+            "subprocess.run([sys.executable, '-c', 'print(\"child\")'])\n")
+    assert streams(daemon.run(code)) == [("stdout", "a\nb\nc\n"), ("stderr", "h\u00e9\n"), ("stdout", "child\n")]
+
+
+def test_split_utf8_from_fd_is_not_mangled(daemon):
+    code = "import os, time\nos.write(1, b'\\xc3')\ntime.sleep(0.1)\nos.write(1, b'\\xa9!\\n')"
+    assert stdout_of(daemon.run(code)) == "\u00e9!\n"
+
+
+def test_bang_command_ipython(ipython_daemon):
+    events = ipython_daemon.run("!echo hi from shell")
+    # IPython runs !cmd in a pty, hence the \r\n.
+    assert stdout_of(events).replace("\r\n", "\n") == "hi from shell\n"
+
+
+def test_large_output_is_complete_and_coalesced(daemon):
+    events = daemon.run("for i in range(200000):\n    print(i)")
+    assert stdout_of(events) == "".join("%d\n" % i for i in range(200000))
+    assert len(of_type(events, "stream")) < 200
+
+
+# ---------------------------------------------------------- results, display
+
+
+def test_execute_result_and_counts(daemon):
+    first = daemon.run("class Html:\n"
+                       "    def _repr_html_(self):\n"
+                       "        return '<b>hi</b>'\n"
+                       "    def __repr__(self):\n"
+                       "        return 'Html()'\n"
+                       "Html()")
+    count = first[0]["execution_count"]
+    assert of_type(first, "execute_result") == [{
+        "seq": 2, "type": "execute_result", "execution_count": count,
+        "data": {"text/plain": "Html()", "text/html": "<b>hi</b>"}, "metadata": {}}]
+    assert first[-1] == {"seq": 3, "type": "done", "status": "ok", "execution_count": count}
+
+    assignment = daemon.run("y = 1")
+    assert assignment[0]["execution_count"] == count + 1
+    assert of_type(assignment, "execute_result") == []
+    assert of_type(daemon.run("y + 1;"), "execute_result") == []
+
+    silent = daemon.run("y + 1", silent=True)
+    assert of_type(silent, "execute_result") == []
+    unstored = daemon.run("y + 2", store_history=False)
+    assert of_type(unstored, "execute_result")[0]["data"]["text/plain"] == "3"
+    assert daemon.run("y")[0]["execution_count"] == count + 3
+
+
+def test_display_update_and_clear_ipython(ipython_daemon):
+    events = ipython_daemon.run("from IPython.display import display, update_display, clear_output\n"
+                                "display('one', display_id='d1')\n"
+                                "update_display('two', display_id='d1')\n"
+                                "clear_output(wait=True)\n"
+                                "display({'a': 1}, raw=True)")
+    assert [event for event in events if event["type"] not in ("started", "done")] == [
+        {"seq": 2, "type": "display_data", "data": {"text/plain": "'one'"}, "metadata": {},
+         "transient": {"display_id": "d1"}},
+        {"seq": 3, "type": "update_display_data", "data": {"text/plain": "'two'"}, "metadata": {},
+         "transient": {"display_id": "d1"}},
+        {"seq": 4, "type": "clear_output", "wait": True},
+        {"seq": 5, "type": "display_data", "data": {"a": 1}, "metadata": {}, "transient": {}},
+    ]
+
+
+def test_display_builtin_plain(daemon):
+    events = daemon.run("display('x')")
+    assert of_type(events, "display_data")[0]["data"] == {"text/plain": "'x'"}
+
+
+def test_matplotlib_figure_is_shown_as_png(daemon):
+    events = daemon.run("import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nNone")
+    images = [event for event in of_type(events, "display_data") if "image/png" in event["data"]]
+    assert len(images) == 1
+    assert base64.b64decode(images[0]["data"]["image/png"]).startswith(PNG_MAGIC)
+    # Shown figures are closed: the next cell does not show it again.
+    assert of_type(daemon.run("1"), "display_data") == []
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_error_event(daemon):
+    events = daemon.run("def inner():\n    return 1 / 0\n\ninner()")
+    [error] = of_type(events, "error")
+    assert error["ename"] == "ZeroDivisionError"
+    assert error["evalue"] == "division by zero"
+    text = plain_text(error["traceback"])
+    assert "runner.py" not in text
+    assert "return 1 / 0" in text  # the cell's source is shown
+    assert events[-1]["status"] == "error"
+
+
+def test_syntax_error(daemon):
+    events = daemon.run("x = (1,\nprint('never')")
+    [error] = of_type(events, "error")
+    assert error["ename"] == "SyntaxError"
+    assert "runner.py" not in plain_text(error["traceback"])
+    assert of_type(events, "stream") == []
+    assert events[-1]["status"] == "error"
+
+
+@pytest.mark.parametrize("code", ["import sys\nsys.exit(3)", "exit()", "raise SystemExit"])
+def test_exit_does_not_kill_the_daemon(daemon, code):
+    events = daemon.run(code)
+    assert events[-1]["type"] == "done"
+    assert daemon.proc.poll() is None
+    assert stdout_of(daemon.run("print('alive')")) == "alive\n"
+
+
+# --------------------------------------------------------------- interrupt
+
+
+def read_until(proc: subprocess.Popen, type_: str) -> list[dict]:
+    events = []
+    while True:
+        line = proc.stdout.readline()
+        assert line, "client ended before a %s event" % type_
+        events.append(json.loads(line))
+        if events[-1]["type"] == type_:
+            return events
+
+
+@pytest.mark.parametrize("code", ["while True: pass", "import time\ntime.sleep(100)"])
+def test_interrupt(daemon, code):
+    cell_id = new_cell_id()
+    client = daemon.popen("run", {"cell_id": cell_id, "code": "print('go', flush=True)\n" + code,
+                                  "silent": False, "store_history": True})
+    read_until(client, "stream")
+    started = time.monotonic()
+    assert daemon.request({"op": "interrupt"}) == {"ok": True, "running": cell_id}
+    rest = read_until(client, "done")
+    assert time.monotonic() - started < 2
+    assert client.wait(5) == 0
+    assert rest[-1]["status"] == "error"
+    assert of_type(rest, "error")[0]["ename"] == "KeyboardInterrupt"
+    assert stdout_of(daemon.run("print('still here')")) == "still here\n"
+    assert daemon.request({"op": "interrupt"}) == {"ok": True, "running": None}
+
+
+# -------------------------------------------------------------------- input
+
+
+@pytest.mark.parametrize("function, password", [("input", False), ("__import__('getpass').getpass", True)])
+def test_input_round_trip(daemon, function, password):
+    cell_id = new_cell_id()
+    client = daemon.popen("run", {"cell_id": cell_id, "code": "answer = %s('name? ')\nprint('got', answer)" % function,
+                                  "silent": False, "store_history": True})
+    events = read_until(client, "input_request")
+    assert events[-1]["prompt"] == "name? "
+    assert events[-1]["password"] is password
+    assert daemon.request({"op": "input", "cell_id": "other", "value": "x"}) == {"ok": False}
+    assert daemon.request({"op": "input", "cell_id": cell_id, "value": "Bob"}) == {"ok": True}
+    events += read_until(client, "done")
+    assert client.wait(5) == 0
+    assert_well_formed(events)
+    assert stdout_of(events) == "got Bob\n"
+
+
+def test_interrupt_wakes_input(daemon):
+    client = daemon.popen("run", {"cell_id": new_cell_id(), "code": "input()", "silent": False,
+                                  "store_history": True})
+    read_until(client, "input_request")
+    daemon.request({"op": "interrupt"})
+    events = read_until(client, "done")
+    assert client.wait(5) == 0
+    assert of_type(events, "error")[0]["ename"] == "KeyboardInterrupt"
+
+
+# -------------------------------------------------------- journal, attach
+
+
+def test_run_is_idempotent(daemon):
+    daemon.run("runs_counter = 0")
+    cell_id = new_cell_id()
+    first = daemon.run("runs_counter += 1\nprint(runs_counter)", cell_id=cell_id)
+    again = daemon.run("runs_counter += 1\nprint(runs_counter)", cell_id=cell_id)
+    assert again == first
+    assert daemon.run("print(runs_counter)", cell_id=new_cell_id())[1]["text"] == "1\n"
+    assert daemon.run("ignored", cell_id=cell_id, after=2) == first[2:]
+
+
+def test_attach_replays_exactly_the_tail(daemon):
+    cell_id = new_cell_id()
+    events = daemon.run("import sys\nfor i in range(3):\n    print(i, flush=True)\n"
+                        "    sys.stderr.write('e\\n')\n", cell_id=cell_id)
+    assert_well_formed(events)
+    for after in (0, 2, len(events) - 1, len(events)):
+        assert daemon.attach(cell_id, after=after) == events[after:]
+    journal = Path(daemon.dir, "cells", cell_id + ".ndjson").read_text()
+    assert parse(journal) == events
+
+
+def test_attach_with_wait_returns_while_running(daemon):
+    cell_id = new_cell_id()
+    client = daemon.popen("run", {"cell_id": cell_id, "code": "import time\nprint('x', flush=True)\ntime.sleep(1.5)",
+                                  "silent": False, "store_history": True})
+    read_until(client, "stream")
+    polled = daemon.attach(cell_id, after=0, wait=0.2)
+    assert [event["type"] for event in polled] == ["started", "stream"]
+    assert daemon.attach(cell_id, after=2, wait=None)[-1]["type"] == "done"
+    client.wait(5)
+
+
+def test_resume_after_client_killed(daemon):
+    cell_id = new_cell_id()
+    code = "import time\nfor i in range(40):\n    print(i, flush=True)\n    time.sleep(0.02)"
+    client = daemon.popen("run", {"cell_id": cell_id, "code": code, "silent": False, "store_history": True})
+    seen = []
+    while len(seen) < 4:
+        seen.append(json.loads(client.stdout.readline()))
+    client.send_signal(signal.SIGKILL)
+    client.wait()
+    rest = daemon.attach(cell_id, after=seen[-1]["seq"])
+    events = seen + rest
+    assert_well_formed(events)
+    assert stdout_of(events) == "".join("%d\n" % i for i in range(40))
+
+
+def test_unknown_cell_attach(daemon):
+    assert daemon.attach("no-such-cell", after=5) == [{"seq": 6, "type": "done", "status": "unknown"}]
+
+
+@pytest.mark.parametrize("cell_id", ["../escape", "", "a" * 129, "sp ace"])
+def test_bad_cell_id_is_rejected(daemon, cell_id):
+    result = daemon.command("run", {"cell_id": cell_id, "code": "print(1)"})
+    assert result.returncode == 1
+    assert "error" in json.loads(result.stdout)
+    assert not list(Path(daemon.dir).rglob("escape*"))
+
+
+def test_code_file_is_read_and_deleted(daemon):
+    code_file = Path(daemon.dir, "big-cell.py")
+    code_file.write_text("print('from file')")
+    result = daemon.command("run", {"cell_id": new_cell_id(), "code_file": str(code_file),
+                                    "silent": False, "store_history": True})
+    assert stdout_of(parse(result.stdout)) == "from file\n"
+    assert not code_file.exists()
+
+
+# ----------------------------------------------------- complete, inspect
+
+
+def test_complete(daemon):
+    daemon.run("my_unique_variable = 1")
+    reply = daemon.request({"op": "complete", "code": "x = my_uniq", "cursor_pos": 11})
+    assert reply["matches"] == ["my_unique_variable"]
+    assert (reply["cursor_start"], reply["cursor_end"], reply["metadata"]) == (4, 11, {})
+
+
+def test_complete_while_a_cell_runs(daemon):
+    client = daemon.popen("run", {"cell_id": new_cell_id(), "code": "import time\nprint(1, flush=True)\ntime.sleep(1)",
+                                  "silent": False, "store_history": True})
+    read_until(client, "stream")
+    assert "my_unique_variable" in daemon.request({"op": "complete", "code": "my_uni", "cursor_pos": 6})["matches"]
+    client.wait(5)
+
+
+def test_inspect(daemon):
+    daemon.run("def documented(a, b=2):\n    'Adds things.'\n    return a + b")
+    reply = daemon.request({"op": "inspect", "code": "documented(", "cursor_pos": 11, "detail_level": 0})
+    assert reply["found"] is True
+    text = plain_text([reply["data"]["text/plain"]])
+    assert "Adds things." in text and "b=2" in text
+    missing = daemon.request({"op": "inspect", "code": "no_such_name", "cursor_pos": 3, "detail_level": 0})
+    assert missing["found"] is False
+
+
+# --------------------------------------------------------- command line
+
+
+def test_usage_errors():
+    for argv in ([], ["run"], ["bogus", "/tmp", "e30="], ["run", "/tmp", "not base64!"]):
+        result = subprocess.run([sys.executable, str(RUNNER), *argv], capture_output=True, text=True)
+        assert result.returncode == 2
+        assert "usage" in result.stderr
+
+
+def test_unreachable_daemon():
+    result = subprocess.run([sys.executable, str(RUNNER), "request", "/nonexistent-dir", b64({"op": "info"})],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "error" in json.loads(result.stdout)
+
+
+def test_unknown_op(daemon):
+    result = daemon.command("request", {"op": "bogus"})
+    assert result.returncode == 1
+    assert "error" in json.loads(result.stdout)
+
+
+def test_shutdown_removes_socket_and_ready():
+    d = Daemon(plain=True)
+    try:
+        assert d.request({"op": "shutdown"}) == {"ok": True}
+        assert d.proc.wait(5) == 0
+        assert not Path(d.dir, "runner.sock").exists()
+        assert not Path(d.dir, "ready").exists()
+    finally:
+        d.stop()
+
+
+def test_output_outside_cells_goes_to_log(daemon):
+    daemon.run("import threading, time\n"
+               "threading.Thread(target=lambda: (time.sleep(0.3), print('late output'))).start()")
+    time.sleep(0.6)
+    assert "late output" in daemon.log_text()
