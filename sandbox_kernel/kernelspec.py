@@ -7,16 +7,28 @@ import shutil
 import sys
 import tempfile
 from importlib.resources import files
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpecManager
 
+if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; annotations only
+    from importlib.resources.abc import Traversable
+
 SPEC_FILES = ("kernel.json", "logo-32x32.png", "logo-64x64.png")
+
+
+def spec_source() -> Traversable:
+    """The kernelspec/ folder: beside the package in a source checkout, inside it in a wheel."""
+    checkout = Path(__file__).resolve().parent.parent / "kernelspec"
+    if (checkout / "kernel.json").is_file():
+        return checkout
+    return files("sandbox_kernel.kernelspec_files")
 
 
 def install(name: str = "sandbox", sys_prefix: bool = False, prefix: str | None = None) -> str:
     """Install the kernelspec (per user unless sys_prefix or prefix is given); return its dir."""
-    source = files("sandbox_kernel.kernelspec_files")
+    source = spec_source()
     with tempfile.TemporaryDirectory() as tmp:
         for filename in SPEC_FILES:
             with (source / filename).open("rb") as src, open(Path(tmp) / filename, "wb") as dst:

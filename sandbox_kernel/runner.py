@@ -430,10 +430,14 @@ class InputBridge:
         builtins.input = self.input
         getpass.getpass = self.getpass
 
+    # __tracebackhide__ keeps these frames out of IPython tracebacks: an error in
+    # input() should point at the user's call, not at the runner.
     def input(self, prompt: object = "") -> str:
+        __tracebackhide__ = True
         return self._ask(str(prompt), password=False)
 
     def getpass(self, prompt: str = "Password: ", stream: object = None) -> str:
+        __tracebackhide__ = True
         return self._ask(prompt, password=True)
 
     def answer(self, cell_id: str, value: str | None) -> bool:
@@ -448,6 +452,7 @@ class InputBridge:
         return True
 
     def _ask(self, prompt: str, password: bool) -> str:
+        __tracebackhide__ = True
         cell = self._router.current_cell
         if cell is None:
             raise EOFError("input is only available while a cell runs")
@@ -779,7 +784,10 @@ def _build_ipython_shell(emit, current_count):
         display_pub_class = Type(EventDisplayPublisher)
 
         def _showtraceback(self, etype, evalue, stb):
-            emit("error", ename=etype.__name__, evalue=str(evalue), traceback=list(stb))
+            # IPython always shows the frame that raised, even a runner one (input()
+            # without a frontend, say): drop every frame of this file.
+            user_frames = [entry for entry in stb if _THIS_FILE not in re.sub(r"\x1b\[[0-9;]*m", "", entry)]
+            emit("error", ename=etype.__name__, evalue=str(evalue), traceback=user_frames)
 
         def ask_exit(self):
             pass  # exit()/quit() in a cell must not end the daemon

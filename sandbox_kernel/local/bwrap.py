@@ -112,6 +112,7 @@ def sandbox_env(sandbox_id: str, python_bin: str) -> dict[str, str]:
         "XDG_CACHE_HOME": "/tmp/.cache",
         "XDG_CONFIG_HOME": "/tmp/.config",
         "MPLCONFIGDIR": "/tmp/.config/matplotlib",
+        "IPYTHONDIR": "/tmp/.ipython",
         "SANDBOX_ID": sandbox_id,
     }
 

@@ -1,0 +1,319 @@
+"""SandboxKernel: an ipykernel wrapper kernel whose cells run in a sandbox.
+
+Jupyter messages in, runner events out: execute/complete/inspect/interrupt/input are
+forwarded to the session (session.py), and each event the runner emits becomes the
+matching iopub message with the request's parent header. is_complete is answered here
+on the host. The sandbox is created as soon as the kernel starts; the first cell waits
+for it, showing a progress line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from ipykernel.kernelbase import Kernel
+
+from . import __version__
+from .config import ConfigError, Settings
+from .paths import state_dir, write_private
+from .session import SandboxSession, SessionError
+
+log = logging.getLogger("sandbox_kernel.kernel")
+
+HANDOFF_MAX_AGE = 120.0  # a restart hand-off older than this is stale
+KERNEL_INFO_WAIT = 10.0
+STATUS_METADATA = {"sandbox_kernel": {"status": True}}
+
+
+class SandboxKernel(Kernel):
+    implementation = "sandbox-kernel"
+    implementation_version = __version__
+    language = "python"
+    banner = "Python in a sandbox (sandbox-kernel)"
+    help_links = [{"text": "sandbox-kernel", "url": "https://pypi.org/project/sandbox-kernel/"}]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.settings: Settings | None = None
+        self.config_error: str | None = None
+        try:
+            self.settings = Settings.from_env()
+        except ConfigError as exc:
+            self.config_error = str(exc)
+        # Not `self.session`: that name is jupyter_client's Session in ipykernel.
+        self.sandbox: SandboxSession | None = None
+        self.boot: asyncio.Task[None] | None = None
+        self.status_shown = False
+        self.main_loop: asyncio.AbstractEventLoop | None = None
+
+    # -- start-up --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        super().start()
+        self.main_loop = asyncio.get_event_loop()
+        # interrupt_mode is "message", but a frontend may still send SIGINT: forward it.
+        signal.signal(signal.SIGINT, lambda *_: self.main_loop.call_soon_threadsafe(self._interrupt_soon))
+        self.boot = self.main_loop.create_task(self._boot())
+
+    async def _boot(self) -> None:
+        if self.settings is None:
+            raise SessionError(self.config_error or "invalid configuration")
+        self.sandbox = SandboxSession(self.settings)
+        await self.sandbox.start(attach_to=self._take_handoff())
+
+    async def _ensure_session(self) -> SandboxSession:
+        """Wait for the sandbox, showing progress; retry a failed start once per cell."""
+        assert self.boot is not None
+        if self.boot.done() and self.boot.exception() is not None:
+            self.boot = asyncio.get_running_loop().create_task(self._boot())
+        if not self.boot.done():
+            display_id = uuid.uuid4().hex
+            self._status(f"Starting a sandbox on {self._provider()}…", display_id)
+            await asyncio.shield(self.boot)
+            self._status(self._ready_line(), display_id, update=True)
+            self.status_shown = True
+        await self.boot  # raises the start-up error, if any
+        if not self.status_shown:
+            self._status(self._ready_line(), uuid.uuid4().hex)
+            self.status_shown = True
+        assert self.sandbox is not None
+        return self.sandbox
+
+    def _provider(self) -> str:
+        return self.settings.description if self.settings else "an unconfigured provider"
+
+    def _ready_line(self) -> str:
+        assert self.sandbox is not None
+        took = f" in {self.sandbox.boot_seconds:.1f} s" if self.sandbox.boot_seconds else ""
+        python = self.sandbox.runner_info.get("python_version", "?")
+        return f"Sandbox {self.sandbox.sandbox_id} ready on {self._provider()}{took} (Python {python})"
+
+    def _status(self, text: str, display_id: str, update: bool = False) -> None:
+        self.send_response(self.iopub_socket, "update_display_data" if update else "display_data",
+                           {"data": {"text/plain": text}, "metadata": STATUS_METADATA,
+                            "transient": {"display_id": display_id}})
+
+    # -- execute ---------------------------------------------------------------------------
+
+    async def do_execute(self, code: str, silent: bool, store_history: bool = True,
+                         user_expressions: dict | None = None, allow_stdin: bool = False,
+                         **_: Any) -> dict[str, Any]:
+        if not code.strip():
+            return self._ok()
+        self._allow_stdin = allow_stdin  # raw_input()/getpass() check it, as under ipykernel
+        try:
+            session = await self._ensure_session()
+        except SessionError as exc:
+            return self._fail("SandboxUnavailable", str(exc))
+        cell_id = uuid.uuid4().hex
+        translate = _EventTranslator(self, session, cell_id)
+        try:
+            done = await session.run_cell(
+                cell_id, code, translate.handle, silent=silent, store_history=store_history,
+                execution_count=self.execution_count if not silent else None)
+        except SessionError as exc:
+            return self._fail("SandboxError", str(exc))
+        finally:
+            translate.flush_input_tasks()
+        if done.get("status") == "ok":
+            return self._ok()
+        if done.get("status") == "unknown":
+            return self._fail("SandboxError", "the sandbox lost this cell (its runner restarted)")
+        error = translate.last_error or {"ename": "Error", "evalue": "", "traceback": []}
+        return {"status": "error", "execution_count": self.execution_count, **error}
+
+    def _ok(self) -> dict[str, Any]:
+        return {"status": "ok", "execution_count": self.execution_count,
+                "payload": [], "user_expressions": {}}
+
+    def _fail(self, ename: str, message: str) -> dict[str, Any]:
+        """One clear line in the cell (no traceback: the user did nothing wrong in Python)."""
+        self.send_response(self.iopub_socket, "stream",
+                           {"name": "stderr", "text": f"sandbox-kernel: {message}\n"})
+        return {"status": "error", "execution_count": self.execution_count,
+                "ename": ename, "evalue": message, "traceback": []}
+
+    # -- interrupt, input, completion ------------------------------------------------------
+
+    async def interrupt_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
+        content: dict[str, Any] = {"status": "ok"}
+        try:
+            await self._on_main_loop(self._interrupt())
+        except Exception as exc:  # the reply must go out whatever happened
+            content = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
+                       "traceback": []}
+        self.session.send(stream, "interrupt_reply", content, parent, ident=ident)
+
+    async def _interrupt(self) -> None:
+        if self.boot and not self.boot.done():
+            return  # nothing runs yet; the waiting cell is cancelled by the frontend's idle
+        if self.sandbox and self.sandbox.sandbox_id:
+            await self.sandbox.interrupt()
+
+    def _interrupt_soon(self) -> None:
+        asyncio.get_running_loop().create_task(self._interrupt())
+
+    async def _on_main_loop(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run coro on the shell's event loop (control messages arrive on another thread)."""
+        assert self.main_loop is not None
+        if asyncio.get_running_loop() is self.main_loop:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.main_loop))
+
+    async def do_complete(self, code: str, cursor_pos: int) -> dict[str, Any]:
+        reply = await self._runner_query({"op": "complete", "code": code, "cursor_pos": cursor_pos})
+        return {"status": "ok", "matches": reply.get("matches", []),
+                "cursor_start": reply.get("cursor_start", cursor_pos),
+                "cursor_end": reply.get("cursor_end", cursor_pos),
+                "metadata": reply.get("metadata", {})}
+
+    async def do_inspect(self, code: str, cursor_pos: int, detail_level: int = 0,
+                         omit_sections: Any = ()) -> dict[str, Any]:
+        reply = await self._runner_query({"op": "inspect", "code": code, "cursor_pos": cursor_pos,
+                                          "detail_level": detail_level})
+        return {"status": "ok", "found": reply.get("found", False),
+                "data": reply.get("data", {}), "metadata": reply.get("metadata", {})}
+
+    async def _runner_query(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Completion and inspection are best effort: an empty answer beats an error popup."""
+        if self.boot is None or not self.boot.done() or self.boot.exception() or self.sandbox is None:
+            return {}
+        try:
+            return await self.sandbox.runner_request(message)
+        except Exception as exc:
+            log.warning("%s failed: %s", message["op"], exc)
+            return {}
+
+    async def do_is_complete(self, code: str) -> dict[str, Any]:
+        from IPython.core.inputtransformer2 import TransformerManager
+
+        status, indent = TransformerManager().check_complete(code)
+        reply: dict[str, Any] = {"status": status}
+        if status == "incomplete":
+            reply["indent"] = " " * (indent or 0)
+        return reply
+
+    # -- kernel info -----------------------------------------------------------------------
+
+    async def kernel_info_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
+        # Report the sandbox's Python, so wait (briefly) for the sandbox to be up.
+        if self.boot is not None and not self.boot.done():
+            boot = self.boot
+            await self._on_main_loop(asyncio.wait([boot], timeout=KERNEL_INFO_WAIT))
+        await super().kernel_info_request(stream, ident, parent)
+
+    @property
+    def language_info(self) -> dict[str, Any]:  # type: ignore[override]
+        version = ""
+        if self.sandbox is not None:
+            version = self.sandbox.runner_info.get("python_version", "")
+        return {"name": "python", "version": version, "mimetype": "text/x-python",
+                "file_extension": ".py", "pygments_lexer": "ipython3",
+                "codemirror_mode": {"name": "ipython", "version": 3},
+                "nbconvert_exporter": "python"}
+
+    # -- shutdown and restart --------------------------------------------------------------
+
+    async def do_shutdown(self, restart: bool) -> dict[str, Any]:
+        if self.sandbox is not None and self.sandbox.sandbox_id:
+            if restart:
+                # jupyter_client restarts by starting a new kernel process: hand it our
+                # sandbox, so a restart is a fresh runner in the same sandbox.
+                self._write_handoff(self.sandbox.sandbox_id)
+            try:
+                await self.sandbox.shutdown(destroy=not restart)
+            except Exception as exc:
+                log.warning("shutdown: %s", exc)
+        return {"status": "ok", "restart": restart}
+
+    def _handoff_path(self) -> Path | None:
+        connection_file = getattr(self.parent, "connection_file", None)
+        if not connection_file:
+            return None
+        key = hashlib.sha256(str(Path(connection_file).resolve()).encode()).hexdigest()[:24]
+        return state_dir() / "handoff" / f"{key}.json"
+
+    def _write_handoff(self, sandbox_id: str) -> None:
+        path = self._handoff_path()
+        if path is not None:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            write_private(path, json.dumps({"sandbox_id": sandbox_id, "time": time.time()}))
+
+    def _take_handoff(self) -> str | None:
+        path = self._handoff_path()
+        if path is None or not path.exists():
+            return None
+        try:
+            info = json.loads(path.read_text())
+        finally:
+            path.unlink(missing_ok=True)
+        if time.time() - info.get("time", 0) > HANDOFF_MAX_AGE:
+            return None
+        return info.get("sandbox_id")
+
+
+class _EventTranslator:
+    """Turns one cell's runner events into iopub messages (and stdin requests)."""
+
+    def __init__(self, kernel: SandboxKernel, session: SandboxSession, cell_id: str) -> None:
+        self.kernel = kernel
+        self.session = session
+        self.cell_id = cell_id
+        self.last_error: dict[str, Any] | None = None
+        self.input_tasks: list[asyncio.Task[None]] = []
+
+    async def handle(self, event: dict[str, Any]) -> None:
+        kind = event["type"]
+        send = self.kernel.send_response
+        iopub = self.kernel.iopub_socket
+        if kind == "stream":
+            send(iopub, "stream", {"name": event["name"], "text": event["text"]})
+        elif kind in ("display_data", "update_display_data"):
+            send(iopub, kind, {"data": event["data"], "metadata": event.get("metadata", {}),
+                               "transient": event.get("transient", {})})
+        elif kind == "clear_output":
+            send(iopub, "clear_output", {"wait": event.get("wait", False)})
+        elif kind == "execute_result":
+            send(iopub, "execute_result", {"execution_count": self.kernel.execution_count,
+                                           "data": event["data"], "metadata": event.get("metadata", {})})
+        elif kind == "error":
+            self.last_error = {"ename": event["ename"], "evalue": event["evalue"],
+                               "traceback": event["traceback"]}
+            send(iopub, "error", self.last_error)
+        elif kind == "input_request":
+            # Don't block the event stream while the user types.
+            self.input_tasks.append(asyncio.get_running_loop().create_task(
+                self._ask(event.get("prompt", ""), event.get("password", False))))
+
+    async def _ask(self, prompt: str, password: bool) -> None:
+        ask = self.kernel.getpass if password else self.kernel.raw_input
+        try:
+            value: str | None = await asyncio.to_thread(ask, prompt)
+        except Exception:  # StdinNotImplementedError, or the frontend went away
+            value = None
+        await self.session.send_input(self.cell_id, value)
+
+    def flush_input_tasks(self) -> None:
+        for task in self.input_tasks:
+            task.cancel()
+
+
+def main() -> None:
+    from ipykernel.kernelapp import IPKernelApp
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    IPKernelApp.launch_instance(kernel_class=SandboxKernel)
+
+
+if __name__ == "__main__":
+    main()

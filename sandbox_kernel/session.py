@@ -1,0 +1,226 @@
+"""One notebook's sandbox: create or attach, start the runner, run cells, shut down.
+
+Everything here goes through SandboxClient (the CreateOS REST API); nothing touches a
+process or file of the sandbox directly, so the same code drives CreateOS and the local
+engine. The runner (runner.py) is uploaded at start and run as a daemon holding the
+user's globals; each cell is one streaming exec of `runner.py run`, whose stdout is
+the cell's NDJSON events. If that stream drops, `runner.py attach` resumes it from the
+last event seen, so nothing is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from .api import (
+    APITransportError,
+    CreateSandboxRequest,
+    ProtocolError,
+    SandboxAPIError,
+    SandboxClient,
+    ServerError,
+)
+from .config import Settings, open_client
+
+log = logging.getLogger("sandbox_kernel.session")
+
+RUNNER_SOURCE = Path(__file__).with_name("runner.py")
+RUNNER_DIR = "/tmp/sandbox-kernel"
+RUNNER_PATH = f"{RUNNER_DIR}/runner.py"
+SANDBOX_PYTHON = "python3"
+# Keep each exec argument well under Linux's 128 KiB per-argument limit.
+MAX_INLINE_CODE = 64 * 1024
+RUNNER_READY_TIMEOUT = 30.0
+RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
+
+EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
+# Failures of a single exec connection that a reconnect can repair.
+RECOVERABLE = (APITransportError, ProtocolError, ServerError)
+
+
+class SessionError(Exception):
+    """Something the notebook user should read as one line."""
+
+
+def encode_arg(message: dict[str, Any]) -> str:
+    return base64.b64encode(json.dumps(message).encode()).decode()
+
+
+class SandboxSession:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.client: SandboxClient | None = None
+        self.sandbox_id: str | None = None
+        self.runner_info: dict[str, Any] = {}
+        self.boot_seconds: float | None = None
+
+    # -- start ----------------------------------------------------------------------------
+
+    async def start(self, attach_to: str | None = None) -> None:
+        """Create a sandbox (or adopt `attach_to`) and start a fresh runner in it."""
+        started = time.monotonic()
+        try:
+            if self.client is None:
+                self.client = await open_client(self.settings)
+            if attach_to:
+                view = await self.client.get_sandbox(attach_to)
+                self.sandbox_id = view.id
+            else:
+                created = await self.client.create_sandbox(CreateSandboxRequest(shape=self.settings.shape))
+                self.sandbox_id = created.id
+            await self.start_runner()
+        except SandboxAPIError as exc:
+            raise SessionError(f"could not start a sandbox on {self.settings.description}: "
+                               f"{exc.user_message()}") from None
+        except (OSError, RuntimeError) as exc:
+            raise SessionError(f"could not start a sandbox on {self.settings.description}: {exc}") from None
+        self.boot_seconds = time.monotonic() - started
+
+    async def start_runner(self) -> None:
+        """Upload runner.py and start its daemon; an older daemon is stopped first."""
+        client, sandbox_id = self._require()
+        await self._check(await client.exec(sandbox_id, "mkdir", ["-p", RUNNER_DIR]))
+        await client.upload_file(sandbox_id, RUNNER_PATH, RUNNER_SOURCE.read_bytes())
+        # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
+        # the shutdown of a daemon that is not there.
+        script = (f"{SANDBOX_PYTHON} -I -S {RUNNER_PATH} request {RUNNER_DIR} "
+                  f"{encode_arg({'op': 'shutdown'})} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; "
+                  f"nohup setsid {SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR} "
+                  f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 &")
+        await self._check(await client.exec(sandbox_id, "sh", ["-c", script]))
+        wait = (f"i=0; while [ ! -f {RUNNER_DIR}/ready ]; do i=$((i+1)); "
+                f"[ $i -gt {int(RUNNER_READY_TIMEOUT * 50)} ] && {{ tail -n 20 {RUNNER_DIR}/runner.log >&2; exit 1; }}; "
+                f"sleep 0.02; done; cat {RUNNER_DIR}/ready")
+        result = await self._check(await client.exec(sandbox_id, "sh", ["-c", wait]),
+                                   what="the Python runner did not start")
+        self.runner_info = json.loads(result.stdout)
+
+    @staticmethod
+    async def _check(response, what: str = "sandbox command failed"):  # type: ignore[no-untyped-def]
+        result = response.result
+        if result.exit_code != 0 or result.error:
+            detail = (result.error or result.stderr).strip().splitlines()
+            raise RuntimeError(f"{what}: {detail[-1] if detail else f'exit {result.exit_code}'}")
+        return result
+
+    def _require(self) -> tuple[SandboxClient, str]:
+        if self.client is None or self.sandbox_id is None:
+            raise SessionError("no sandbox: the session has not started")
+        return self.client, self.sandbox_id
+
+    # -- cells ----------------------------------------------------------------------------
+
+    async def run_cell(self, cell_id: str, code: str, on_event: EventHandler, *,
+                       silent: bool = False, store_history: bool = True,
+                       execution_count: int | None = None) -> dict[str, Any]:
+        """Run one cell, calling on_event for every event in order; return its done event."""
+        client, sandbox_id = self._require()
+        request: dict[str, Any] = {"cell_id": cell_id, "silent": silent,
+                                   "store_history": store_history}
+        if execution_count is not None:
+            request["execution_count"] = execution_count
+        if len(code.encode()) > MAX_INLINE_CODE:
+            code_file = f"{RUNNER_DIR}/{cell_id}.py"
+            await client.upload_file(sandbox_id, code_file, code.encode())
+            request["code_file"] = code_file
+        else:
+            request["code"] = code
+        stream = _EventStream(on_event)
+        done = await stream.follow(self, ["run", RUNNER_DIR, encode_arg(request)])
+        for delay in RECONNECT_DELAYS:
+            if done is not None:
+                return done
+            await asyncio.sleep(delay)
+            attach = {"cell_id": cell_id, "after": stream.last_seq, "wait": None}
+            done = await stream.follow(self, ["attach", RUNNER_DIR, encode_arg(attach)])
+        if done is None:
+            raise SessionError("lost the connection to the sandbox while a cell was running; "
+                               "its output so far is shown above")
+        return done
+
+    async def runner_request(self, message: dict[str, Any]) -> dict[str, Any]:
+        """One-shot runner operation (interrupt, input, complete, inspect, info)."""
+        client, sandbox_id = self._require()
+        response = await client.exec(sandbox_id, SANDBOX_PYTHON,
+                                     ["-I", "-S", RUNNER_PATH, "request", RUNNER_DIR, encode_arg(message)])
+        lines = response.result.stdout.strip().splitlines()
+        if not lines:
+            raise SessionError("the Python runner in the sandbox is not answering")
+        return json.loads(lines[-1])
+
+    async def interrupt(self) -> None:
+        await self.runner_request({"op": "interrupt"})
+
+    async def send_input(self, cell_id: str, value: str | None) -> None:
+        """Answer the pending input(); None means the frontend cannot give input (EOF)."""
+        message: dict[str, Any] = {"op": "input", "cell_id": cell_id, "value": value or ""}
+        if value is None:
+            message["eof"] = True
+        await self.runner_request(message)
+
+    # -- end ------------------------------------------------------------------------------
+
+    async def shutdown(self, destroy: bool = True) -> None:
+        if self.client is None:
+            return
+        try:
+            if destroy and self.sandbox_id:
+                await self.client.delete_sandbox(self.sandbox_id)
+        finally:
+            await self.client.aclose()
+            self.client = None
+
+
+class _EventStream:
+    """Reads one exec's NDJSON events, skipping any already delivered (by seq)."""
+
+    def __init__(self, on_event: EventHandler) -> None:
+        self.on_event = on_event
+        self.last_seq = 0
+
+    async def follow(self, session: SandboxSession, runner_args: list[str]) -> dict[str, Any] | None:
+        """Deliver new events until `done` (returned) or the stream breaks (None)."""
+        client, sandbox_id = session._require()
+        pending = ""
+        stderr = ""
+        try:
+            async with client.exec_stream(sandbox_id, SANDBOX_PYTHON,
+                                          ["-I", "-S", RUNNER_PATH, *runner_args]) as frames:
+                async for frame in frames:
+                    if frame.stderr:
+                        stderr += frame.stderr
+                    if frame.error:
+                        log.warning("exec stream error frame: %s", frame.error)
+                        return None
+                    if frame.stdout:
+                        pending += frame.stdout
+                        *lines, pending = pending.split("\n")
+                        for line in lines:
+                            done = await self._deliver(line)
+                            if done is not None:
+                                return done
+                    if frame.exit_code not in (None, 0):
+                        raise SessionError("the Python runner in the sandbox failed: "
+                                           + (stderr.strip().splitlines() or ["no output"])[-1])
+        except RECOVERABLE as exc:
+            log.warning("exec stream dropped after seq %d: %s", self.last_seq, exc)
+        return None
+
+    async def _deliver(self, line: str) -> dict[str, Any] | None:
+        if not line.strip():
+            return None
+        event = json.loads(line)
+        if event["seq"] <= self.last_seq:
+            return None  # replayed by attach: already delivered
+        self.last_seq = event["seq"]
+        if event["type"] == "done":
+            return event
+        await self.on_event(event)
+        return None

@@ -1,0 +1,68 @@
+"""A loopback TCP proxy that cuts streaming exec connections after a number of bytes.
+
+It sits between a kernel and the real local engine, so the kernel's session meets a
+real dropped connection mid-cell (what a CreateOS gateway timeout looks like).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+
+class CuttingProxy:
+    def __init__(self, upstream_port: int, cut_after_bytes: int) -> None:
+        self.upstream_port = upstream_port
+        self.cut_after_bytes = cut_after_bytes
+        self.cuts = 0
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CuttingProxy:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(
+            asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        upstream_r, upstream_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        # Per request on this (keep-alive) connection: is it a streaming exec, and how
+        # many response bytes has it had?
+        state = {"streaming": False, "relayed": 0}
+
+        async def requests() -> None:
+            while data := await client_r.read(65536):
+                if data[:8].split(b" ")[0] in (b"GET", b"POST", b"PUT", b"DELETE", b"PATCH"):
+                    state.update(streaming=b"stream=true" in data.split(b"\r\n")[0], relayed=0)
+                upstream_w.write(data)
+                await upstream_w.drain()
+
+        async def responses() -> None:
+            while data := await upstream_r.read(256):
+                if state["streaming"]:
+                    state["relayed"] += len(data)
+                    if state["relayed"] > self.cut_after_bytes:
+                        self.cuts += 1
+                        return
+                client_w.write(data)
+                await client_w.drain()
+
+        tasks = [asyncio.ensure_future(requests()), asyncio.ensure_future(responses())]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            task.cancel()
+        for writer in (client_w, upstream_w):
+            writer.transport.abort()  # a hard cut, as a failing gateway does

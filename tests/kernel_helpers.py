@@ -1,0 +1,45 @@
+"""Driving the installed sandbox kernel through jupyter_client, as a frontend would."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jupyter_client.blocking.client import BlockingKernelClient
+
+TIMEOUT = 120
+
+
+def is_status_line(msg: dict[str, Any]) -> bool:
+    """The kernel's own 'sandbox ready' line, which the first cell shows."""
+    return bool(msg["content"].get("metadata", {}).get("sandbox_kernel", {}).get("status"))
+
+
+@dataclass
+class Execution:
+    reply: dict[str, Any]
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list[dict[str, Any]]:
+        """iopub messages a notebook would show, without the status line."""
+        kinds = ("stream", "display_data", "update_display_data", "clear_output",
+                 "execute_result", "error")
+        return [m for m in self.messages if m["msg_type"] in kinds and not is_status_line(m)]
+
+    def text(self, name: str = "stdout") -> str:
+        return "".join(m["content"]["text"] for m in self.outputs
+                       if m["msg_type"] == "stream" and m["content"]["name"] == name)
+
+    def of_type(self, msg_type: str) -> list[dict[str, Any]]:
+        return [m["content"] for m in self.outputs if m["msg_type"] == msg_type]
+
+
+def execute(kc: BlockingKernelClient, code: str, *, allow_stdin: bool = False,
+            stdin_hook: Callable[[dict[str, Any]], None] | None = None,
+            timeout: float = TIMEOUT) -> Execution:
+    messages: list[dict[str, Any]] = []
+    reply = kc.execute_interactive(code, allow_stdin=allow_stdin, stdin_hook=stdin_hook,
+                                   output_hook=messages.append, timeout=timeout)
+    return Execution(reply=reply, messages=messages)

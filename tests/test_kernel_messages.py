@@ -1,0 +1,208 @@
+"""The Jupyter messaging protocol, end to end: jupyter_client -> installed kernelspec ->
+SandboxKernel -> local engine -> bwrap sandbox -> runner, and back.
+"""
+
+from __future__ import annotations
+
+import base64
+import platform
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.manager import KernelManager, start_new_kernel
+
+from kernel_helpers import TIMEOUT, execute, is_status_line
+
+pytestmark = pytest.mark.slow
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.fixture(scope="module")
+def kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    km, kc = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT)
+    yield km, kc
+    kc.stop_channels()
+    km.shutdown_kernel()
+
+
+@pytest.fixture
+def kc(kernel: tuple[KernelManager, BlockingKernelClient]) -> BlockingKernelClient:
+    return kernel[1]
+
+
+def test_first_cell_shows_where_it_runs(kc: BlockingKernelClient) -> None:
+    first = execute(kc, "1")
+    status = [m for m in first.messages if is_status_line(m)]
+    assert status, "the first cell says which sandbox and provider it runs on"
+    assert "on the local engine" in status[-1]["content"]["data"]["text/plain"]
+    assert execute(kc, "2").messages and not [m for m in execute(kc, "3").messages if is_status_line(m)]
+
+
+def test_kernel_info_reports_the_sandbox_python(kc: BlockingKernelClient) -> None:
+    info = kc.kernel_info(reply=True, timeout=TIMEOUT)["content"]
+    assert info["implementation"] == "sandbox-kernel"
+    assert info["language_info"]["name"] == "python"
+    # The local engine's sandboxes run the engine's interpreter (mounted read-only).
+    assert info["language_info"]["version"] == platform.python_version()
+
+
+def test_state_persists_and_execute_result_counts(kc: BlockingKernelClient) -> None:
+    execute(kc, "x = 41")
+    result = execute(kc, "x + 1")
+    [content] = result.of_type("execute_result")
+    assert content["data"]["text/plain"] == "42"
+    assert content["execution_count"] == result.reply["content"]["execution_count"]
+    inputs = [m["content"] for m in result.messages if m["msg_type"] == "execute_input"]
+    assert inputs[0]["execution_count"] == content["execution_count"]
+    assert execute(kc, "x = 5;").of_type("execute_result") == []
+    assert execute(kc, "x;").of_type("execute_result") == []
+
+
+def test_stream_text_arrives_complete_and_in_order(kc: BlockingKernelClient) -> None:
+    code = ("import sys\n"
+            "for i in range(3):\n"
+            "    print('out', i, flush=True)\n"
+            "    print('err', i, file=sys.stderr, flush=True)\n")
+    result = execute(kc, code)
+    merged: list[tuple[str, str]] = []
+    for msg in result.outputs:
+        name, text = msg["content"]["name"], msg["content"]["text"]
+        if merged and merged[-1][0] == name:
+            merged[-1] = (name, merged[-1][1] + text)
+        else:
+            merged.append((name, text))
+    assert merged == [("stdout", "out 0\n"), ("stderr", "err 0\n"), ("stdout", "out 1\n"),
+                      ("stderr", "err 1\n"), ("stdout", "out 2\n"), ("stderr", "err 2\n")]
+
+
+def test_output_of_subprocesses_and_file_descriptors(kc: BlockingKernelClient) -> None:
+    result = execute(kc, "import os\nos.write(1, b'raw fd\\n')\n!echo from a shell")
+    # IPython runs !cmd in a pseudo-terminal (as under ipykernel), hence its \r\n.
+    assert result.text() == "raw fd\nfrom a shell\r\n"
+
+
+def test_rich_display_update_and_clear(kc: BlockingKernelClient) -> None:
+    html = execute(kc, "from IPython.display import HTML, display\ndisplay(HTML('<b>bold</b>'))")
+    [shown] = html.of_type("display_data")
+    assert shown["data"]["text/html"] == "<b>bold</b>"
+
+    updated = execute(kc, "h = display('first', display_id='slot')\nh.update('second')")
+    [first] = updated.of_type("display_data")
+    [second] = updated.of_type("update_display_data")
+    assert first["transient"] == {"display_id": "slot"} == second["transient"]
+    assert (first["data"]["text/plain"], second["data"]["text/plain"]) == ("'first'", "'second'")
+
+    cleared = execute(kc, "from IPython.display import clear_output\nprint('a')\nclear_output(wait=True)\nprint('b')")
+    kinds = [(m["msg_type"], m["content"].get("text", m["content"].get("wait"))) for m in cleared.outputs]
+    assert kinds == [("stream", "a\n"), ("clear_output", True), ("stream", "b\n")]
+
+
+def test_repr_html_object_as_execute_result(kc: BlockingKernelClient) -> None:
+    code = ("class Table:\n"
+            "    def _repr_html_(self):\n"
+            "        return '<table><tr><td>1</td></tr></table>'\n"
+            "Table()")
+    [result] = execute(kc, code).of_type("execute_result")
+    assert result["data"]["text/html"] == "<table><tr><td>1</td></tr></table>"
+    assert result["data"]["text/plain"].startswith("<__main__.Table at 0x")  # IPython's pretty repr
+
+
+def test_matplotlib_figure_is_an_inline_png(kc: BlockingKernelClient) -> None:
+    code = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.title('t');"
+    pngs = [d["data"]["image/png"] for d in execute(kc, code).of_type("display_data") if "image/png" in d["data"]]
+    assert len(pngs) == 1
+    assert base64.b64decode(pngs[0]).startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_error_points_at_the_users_cell(kc: BlockingKernelClient) -> None:
+    result = execute(kc, "def f():\n    return 1 / 0\nf()")
+    [error] = result.of_type("error")
+    assert (error["ename"], error["evalue"]) == ("ZeroDivisionError", "division by zero")
+    reply = result.reply["content"]
+    assert reply["status"] == "error"
+    assert (reply["ename"], reply["evalue"], reply["traceback"]) == (
+        error["ename"], error["evalue"], error["traceback"])
+    text = ANSI.sub("", "\n".join(error["traceback"]))
+    assert "return 1 / 0" in text and "f()" in text
+    assert "runner.py" not in text and "sandbox_kernel" not in text
+    assert any("\x1b[" in line for line in error["traceback"]), "tracebacks are coloured"
+    assert execute(kc, "print('still alive')").text() == "still alive\n"
+
+
+def test_syntax_error(kc: BlockingKernelClient) -> None:
+    [error] = execute(kc, "def broken(:\n    pass").of_type("error")
+    assert error["ename"] == "SyntaxError"
+
+
+def test_interrupt_stops_a_busy_loop(kernel: tuple[KernelManager, BlockingKernelClient]) -> None:
+    km, kc = kernel
+    execute(kc, "before_interrupt = 'kept'")
+    msg_id = kc.execute("while True:\n    pass")
+    # Wait until the loop really runs (the kernel reports busy and the cell started).
+    time.sleep(1.0)
+    interrupted_at = time.monotonic()
+    km.interrupt_kernel()
+    reply = kc.get_shell_msg(timeout=TIMEOUT)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kc.get_shell_msg(timeout=TIMEOUT)
+    elapsed = time.monotonic() - interrupted_at
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert elapsed < 2.0, f"interrupt took {elapsed:.2f} s"
+    assert execute(kc, "print(before_interrupt)").text() == "kept\n"
+
+
+def test_input_and_getpass_use_the_stdin_channel(kc: BlockingKernelClient) -> None:
+    prompts: list[dict] = []
+
+    def answer(msg: dict) -> None:
+        prompts.append(msg["content"])
+        kc.input("secret" if msg["content"]["password"] else "world")
+
+    result = execute(kc, "name = input('Who? ')\nprint('hello', name)", allow_stdin=True, stdin_hook=answer)
+    assert result.text() == "hello world\n"
+    hidden = execute(kc, "import getpass\npw = getpass.getpass('Password: ')\nprint(len(pw))",
+                     allow_stdin=True, stdin_hook=answer)
+    assert hidden.text() == "6\n"
+    assert prompts == [{"prompt": "Who? ", "password": False}, {"prompt": "Password: ", "password": True}]
+
+
+def test_input_without_stdin_fails_cleanly(kc: BlockingKernelClient) -> None:
+    result = execute(kc, "input('nobody will answer: ')", allow_stdin=False)
+    assert result.reply["content"]["status"] == "error"
+    [error] = result.of_type("error")
+    assert error["ename"] == "EOFError"
+    assert "runner.py" not in ANSI.sub("", "\n".join(error["traceback"]))
+    assert execute(kc, "print('fine')").text() == "fine\n"
+
+
+def test_complete_and_inspect_run_in_the_sandbox(kc: BlockingKernelClient) -> None:
+    execute(kc, "sandbox_only_variable = 3")
+    code = "sandbox_only_v"
+    reply = kc.complete(code, len(code), reply=True, timeout=TIMEOUT)["content"]
+    assert reply["status"] == "ok"
+    assert "sandbox_only_variable" in reply["matches"]
+    assert (reply["cursor_start"], reply["cursor_end"]) == (0, len(code))
+    inspected = kc.inspect("sandbox_only_variable", 5, reply=True, timeout=TIMEOUT)["content"]
+    assert inspected["found"] is True
+    assert "int" in inspected["data"]["text/plain"]
+
+
+@pytest.mark.parametrize(("code", "status", "indent"), [
+    ("x = 1", "complete", None),
+    ("for i in range(3):", "incomplete", "    "),
+    ("x = (1,", "incomplete", ""),
+    ("1 +* 2", "invalid", None),
+])
+def test_is_complete_on_the_host(kc: BlockingKernelClient, code: str, status: str, indent: str | None) -> None:
+    msg_id = kc.is_complete(code)
+    reply = kc.get_shell_msg(timeout=TIMEOUT)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == status
+    if indent is not None:
+        assert reply["content"]["indent"] == indent
+
