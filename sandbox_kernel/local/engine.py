@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -29,7 +30,7 @@ from ..api.models import (
     Shape,
 )
 from .agent_client import AgentClient, AgentError, AgentUnavailable
-from .bwrap import SandboxDirs, bwrap_command, find_bwrap
+from .bwrap import SandboxDirs, bwrap_arguments, find_bwrap, launch_command
 
 log = logging.getLogger("sandbox_kernel.engine")
 
@@ -60,6 +61,10 @@ class EngineError(Exception):
     def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+class SandboxStartFailed(EngineError):
+    status = 500
 
 
 class InvalidRequest(EngineError):
@@ -181,11 +186,18 @@ class Engine:
     async def _start(self, sandbox: LocalSandbox) -> None:
         started = time.monotonic()
         sandbox.dirs.create(hostname="sandbox")
+        arguments = "\0".join(bwrap_arguments(sandbox.id, sandbox.dirs, AGENT_SCRIPT)) + "\0"
+        args_read, args_write = os.pipe()
         log_file = open(sandbox.dirs.root / "bwrap.log", "ab")
-        with log_file:
-            sandbox.process = await asyncio.create_subprocess_exec(
-                *bwrap_command(self.bwrap, sandbox.id, sandbox.dirs, AGENT_SCRIPT),
-                stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+        try:
+            with log_file:
+                sandbox.process = await asyncio.create_subprocess_exec(
+                    *launch_command(self.bwrap, args_read), pass_fds=(args_read,),
+                    stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+        finally:
+            os.close(args_read)
+        with os.fdopen(args_write, "wb") as pipe:  # a few KiB: fits the pipe buffer
+            pipe.write(arguments.encode())
         await self._wait_for_agent(sandbox)
         sandbox.spawn_ms = int((time.monotonic() - started) * 1000)
         sandbox.running_at = time.time()
@@ -199,13 +211,12 @@ class Engine:
         while time.monotonic() < deadline:
             if sandbox.process.returncode is not None:
                 detail = (sandbox.dirs.root / "bwrap.log").read_text(errors="replace").strip()
-                raise RuntimeError(f"sandbox failed to start: {detail[-500:] or 'bwrap exited'}")
+                raise SandboxStartFailed(f"sandbox failed to start: {detail[-500:] or 'bwrap exited'}")
             with contextlib.suppress(AgentUnavailable, FileNotFoundError):
                 await sandbox.agent.ping()
                 return
             await asyncio.sleep(0.01)
-        raise RuntimeError("sandbox agent did not answer within "
-                           f"{AGENT_START_TIMEOUT:.0f} s")
+        raise SandboxStartFailed(f"sandbox agent did not answer within {AGENT_START_TIMEOUT:.0f} s")
 
     async def _watch(self, sandbox: LocalSandbox) -> None:
         """Mark a sandbox whose agent died on its own as `error` (it can still be destroyed)."""

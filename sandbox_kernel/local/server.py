@@ -83,6 +83,8 @@ def create_app(engine: Engine, token: str) -> FastAPI:
 
     @app.exception_handler(EngineError)
     async def engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        if exc.status >= 500:  # JSend: "error" for the server's failures, "fail" for the client's
+            return JSONResponse(envelope.error(str(exc), exc.status), status_code=exc.status)
         return jsend_fail(exc.status, str(exc), exc.code)
 
     @app.exception_handler(AgentUnavailable)
