@@ -231,7 +231,8 @@ class SandboxKernel(Kernel):
                 # sandbox, so a restart is a fresh runner in the same sandbox.
                 self._write_handoff(self.sandbox.sandbox_id)
             try:
-                await self.sandbox.shutdown(destroy=not restart)
+                # The request arrives on the control thread; the API client lives on the shell's loop.
+                await self._on_main_loop(self.sandbox.shutdown(destroy=not restart))
             except Exception as exc:
                 log.warning("shutdown: %s", exc)
         return {"status": "ok", "restart": restart}

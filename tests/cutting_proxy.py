@@ -1,4 +1,5 @@
-"""A loopback TCP proxy that cuts streaming exec connections after a number of bytes.
+"""A loopback TCP proxy that cuts streaming exec connections after a number of bytes
+(the first `max_cuts` of them; later ones pass, so a run always ends).
 
 It sits between a kernel and the real local engine, so the kernel's session meets a
 real dropped connection mid-cell (what a CreateOS gateway timeout looks like).
@@ -11,9 +12,10 @@ import threading
 
 
 class CuttingProxy:
-    def __init__(self, upstream_port: int, cut_after_bytes: int) -> None:
+    def __init__(self, upstream_port: int, cut_after_bytes: int, max_cuts: int) -> None:
         self.upstream_port = upstream_port
         self.cut_after_bytes = cut_after_bytes
+        self.max_cuts = max_cuts
         self.cuts = 0
         self.port = 0
         self._loop = asyncio.new_event_loop()
@@ -52,7 +54,7 @@ class CuttingProxy:
 
         async def responses() -> None:
             while data := await upstream_r.read(256):
-                if state["streaming"]:
+                if state["streaming"] and self.cuts < self.max_cuts:
                     state["relayed"] += len(data)
                     if state["relayed"] > self.cut_after_bytes:
                         self.cuts += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,6 +10,12 @@ from typing import Any
 from jupyter_client.blocking.client import BlockingKernelClient
 
 TIMEOUT = 120
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def plain_traceback(lines: list[str]) -> str:
+    """A traceback as text, without IPython's colours."""
+    return ANSI.sub("", "\n".join(lines))
 
 
 def is_status_line(msg: dict[str, Any]) -> bool:

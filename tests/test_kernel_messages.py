@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import platform
-import re
 import time
 from collections.abc import Iterator
 
@@ -14,11 +13,9 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager, start_new_kernel
 
-from kernel_helpers import TIMEOUT, execute, is_status_line
+from kernel_helpers import TIMEOUT, execute, is_status_line, plain_traceback
 
 pytestmark = pytest.mark.slow
-
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +123,7 @@ def test_error_points_at_the_users_cell(kc: BlockingKernelClient) -> None:
     assert reply["status"] == "error"
     assert (reply["ename"], reply["evalue"], reply["traceback"]) == (
         error["ename"], error["evalue"], error["traceback"])
-    text = ANSI.sub("", "\n".join(error["traceback"]))
+    text = plain_traceback(error["traceback"])
     assert "return 1 / 0" in text and "f()" in text
     assert "runner.py" not in text and "sandbox_kernel" not in text
     assert any("\x1b[" in line for line in error["traceback"]), "tracebacks are coloured"
@@ -176,7 +173,7 @@ def test_input_without_stdin_fails_cleanly(kc: BlockingKernelClient) -> None:
     assert result.reply["content"]["status"] == "error"
     [error] = result.of_type("error")
     assert error["ename"] == "EOFError"
-    assert "runner.py" not in ANSI.sub("", "\n".join(error["traceback"]))
+    assert "runner.py" not in plain_traceback(error["traceback"])
     assert execute(kc, "print('fine')").text() == "fine\n"
 
 
