@@ -1,4 +1,4 @@
-"""`sandbox-kernel install | serve | ls | rm | doctor`."""
+"""`sandbox-kernel install | run | serve | ls | rm | doctor`."""
 
 from __future__ import annotations
 
@@ -51,6 +51,12 @@ async def _remove(settings: Settings, ids: list[str]) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from .headless import run_notebook
+
+    return run_notebook(args.notebook, args.kernel, args.output, args.timeout)
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import report
 
@@ -70,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--prefix", help="under this prefix")
     install.add_argument("--name", default="sandbox", help="kernelspec name (default: sandbox)")
     install.set_defaults(run=cmd_install)
+
+    run = sub.add_parser("run", help="execute a notebook headless in a sandbox and print its outputs")
+    run.add_argument("notebook", type=Path)
+    run.add_argument("--kernel", default="sandbox", help="kernelspec name (default: sandbox)")
+    run.add_argument("--output", type=Path, help="also save the executed notebook here")
+    run.add_argument("--timeout", type=float, default=600, help="seconds per cell (default: 600)")
+    run.set_defaults(run=cmd_run)
 
     serve = sub.add_parser("serve", help="run the local engine (CreateOS-compatible API)")
     serve.add_argument("--host", default="127.0.0.1", help="loopback address to listen on")

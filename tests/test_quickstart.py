@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -73,3 +75,14 @@ def test_quickstart_notebook(kernelspec: str) -> None:
     assert "inventory['pears']" in plain_traceback(error["traceback"])
 
     assert stdout(outs[7]) == "/workspace ['notes.txt']\n"
+
+
+def test_headless_run_command_prints_the_notebook(kernelspec: str) -> None:
+    """The README's first command: `sandbox-kernel run examples/quickstart.ipynb`."""
+    result = subprocess.run(
+        [sys.executable, "-m", "sandbox_kernel", "run", str(EXAMPLES / "quickstart.ipynb"),
+         "--kernel", kernelspec], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for expected in ("ready on the local engine", "285\n", "mean square: 28.5\n", "step 4\n",
+                     "[image/png, ", "KeyError: 'pears'", "/workspace ['notes.txt']\n"):
+        assert expected in result.stdout
