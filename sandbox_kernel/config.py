@@ -18,6 +18,7 @@ from .paths import state_dir
 
 DEFAULT_BASE_URL = "https://api.sb.createos.sh"
 DEFAULT_SHAPE = "s-1vcpu-1gb"
+SHUTDOWN_POLICIES = ("destroy", "pause", "keep")
 LOCAL_ENGINE_URL_FOR_UDS = "http://localhost"
 
 
@@ -33,6 +34,8 @@ class Settings:
     api_key: str | None = field(default=None, repr=False)
     engine_transport: str = "unix"  # how the kernel reaches the local engine: unix or tcp
     engine_idle_timeout: float = 600.0
+    attach_to: str | None = None  # drive this existing sandbox instead of creating one
+    on_shutdown: str | None = None  # destroy | pause | keep; None: destroy ours, keep adopted
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -47,10 +50,15 @@ class Settings:
         transport = env.get("SANDBOX_KERNEL_ENGINE_TRANSPORT", "unix")
         if transport not in ("unix", "tcp"):
             raise ConfigError(f"SANDBOX_KERNEL_ENGINE_TRANSPORT must be 'unix' or 'tcp', not {transport!r}")
+        on_shutdown = env.get("SANDBOX_KERNEL_ON_SHUTDOWN") or None
+        if on_shutdown is not None and on_shutdown not in SHUTDOWN_POLICIES:
+            raise ConfigError("SANDBOX_KERNEL_ON_SHUTDOWN must be destroy, pause or keep, "
+                              f"not {on_shutdown!r}")
         return cls(provider=provider,
                    shape=env.get("SANDBOX_KERNEL_SHAPE") or DEFAULT_SHAPE,
                    base_url=env.get("CREATEOS_SANDBOX_BASE_URL") or DEFAULT_BASE_URL,
-                   api_key=api_key, engine_transport=transport)
+                   api_key=api_key, engine_transport=transport,
+                   attach_to=env.get("SANDBOX_KERNEL_SANDBOX_ID") or None, on_shutdown=on_shutdown)
 
     @property
     def description(self) -> str:

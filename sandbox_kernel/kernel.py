@@ -24,7 +24,10 @@ from typing import Any
 from ipykernel.kernelbase import Kernel
 
 from . import __version__
+from .api import SandboxAPIError
 from .config import ConfigError, Settings
+from .magics import MagicError, SandboxMagics, split_cell
+from .output import CellOutput
 from .paths import state_dir, write_private
 from .session import SandboxSession, SessionError
 
@@ -32,7 +35,6 @@ log = logging.getLogger("sandbox_kernel.kernel")
 
 HANDOFF_MAX_AGE = 120.0  # a restart hand-off older than this is stale
 KERNEL_INFO_WAIT = 10.0
-STATUS_METADATA = {"sandbox_kernel": {"status": True}}
 
 
 class SandboxKernel(Kernel):
@@ -69,22 +71,28 @@ class SandboxKernel(Kernel):
         if self.settings is None:
             raise SessionError(self.config_error or "invalid configuration")
         self.sandbox = SandboxSession(self.settings)
-        await self.sandbox.start(attach_to=self._take_handoff())
+        handoff = self._take_handoff()
+        if handoff:  # a restart: same sandbox, fresh Python, same shutdown policy
+            await self.sandbox.start(attach_to=handoff["sandbox_id"], fresh_runner=True)
+            self.sandbox.on_shutdown = handoff.get("on_shutdown", "destroy")
+        else:
+            await self.sandbox.start(attach_to=self.settings.attach_to, fresh_runner=False)
+        if self.settings.on_shutdown:
+            self.sandbox.on_shutdown = self.settings.on_shutdown
 
-    async def _ensure_session(self) -> SandboxSession:
+    async def _ensure_session(self, out: CellOutput) -> SandboxSession:
         """Wait for the sandbox, showing progress; retry a failed start once per cell."""
         assert self.boot is not None
         if self.boot.done() and self.boot.exception() is not None:
             self.boot = asyncio.get_running_loop().create_task(self._boot())
         if not self.boot.done():
-            display_id = uuid.uuid4().hex
-            self._status(f"Starting a sandbox on {self._provider()}…", display_id)
+            line = out.progress(f"Starting a sandbox on {self._provider()}…")
             await asyncio.shield(self.boot)
-            self._status(self._ready_line(), display_id, update=True)
+            line.update(self._ready_line())
             self.status_shown = True
         await self.boot  # raises the start-up error, if any
         if not self.status_shown:
-            self._status(self._ready_line(), uuid.uuid4().hex)
+            out.progress(self._ready_line())
             self.status_shown = True
         assert self.sandbox is not None
         return self.sandbox
@@ -98,10 +106,8 @@ class SandboxKernel(Kernel):
         python = self.sandbox.runner_info.get("python_version", "?")
         return f"Sandbox {self.sandbox.sandbox_id} ready on {self._provider()}{took} (Python {python})"
 
-    def _status(self, text: str, display_id: str, update: bool = False) -> None:
-        self.send_response(self.iopub_socket, "update_display_data" if update else "display_data",
-                           {"data": {"text/plain": text}, "metadata": STATUS_METADATA,
-                            "transient": {"display_id": display_id}})
+    def _send_iopub(self, msg_type: str, content: dict[str, Any]) -> None:
+        self.send_response(self.iopub_socket, msg_type, content)
 
     # -- execute ---------------------------------------------------------------------------
 
@@ -111,18 +117,39 @@ class SandboxKernel(Kernel):
         if not code.strip():
             return self._ok()
         self._allow_stdin = allow_stdin  # raw_input()/getpass() check it, as under ipykernel
+        out = CellOutput(self._send_iopub)
         try:
-            session = await self._ensure_session()
+            session = await self._ensure_session(out)
         except SessionError as exc:
             return self._fail("SandboxUnavailable", str(exc))
+        magics = SandboxMagics(session, out)
+        for segment in split_cell(code):
+            if segment.magic:
+                try:
+                    await magics.run(segment.text)
+                except (MagicError, SessionError) as exc:
+                    return self._fail("MagicError", str(exc))
+                except SandboxAPIError as exc:
+                    return self._fail("SandboxError", exc.user_message())
+                continue
+            reply = await self._run_code(session, segment.text, silent, store_history, out)
+            if reply["status"] != "ok":
+                return reply
+        return self._ok()
+
+    async def _run_code(self, session: SandboxSession, code: str, silent: bool,
+                        store_history: bool, out: CellOutput) -> dict[str, Any]:
         cell_id = uuid.uuid4().hex
         translate = _EventTranslator(self, session, cell_id)
         try:
             done = await session.run_cell(
                 cell_id, code, translate.handle, silent=silent, store_history=store_history,
-                execution_count=self.execution_count if not silent else None)
+                execution_count=self.execution_count if not silent else None,
+                on_resume=lambda: out.progress(f"Sandbox {session.sandbox_id} was paused: resuming…"))
         except SessionError as exc:
             return self._fail("SandboxError", str(exc))
+        except SandboxAPIError as exc:
+            return self._fail("SandboxError", exc.user_message())
         finally:
             translate.flush_input_tasks()
         if done.get("status") == "ok":
@@ -229,10 +256,10 @@ class SandboxKernel(Kernel):
             if restart:
                 # jupyter_client restarts by starting a new kernel process: hand it our
                 # sandbox, so a restart is a fresh runner in the same sandbox.
-                self._write_handoff(self.sandbox.sandbox_id)
+                self._write_handoff(self.sandbox.sandbox_id, self.sandbox.on_shutdown)
             try:
                 # The request arrives on the control thread; the API client lives on the shell's loop.
-                await self._on_main_loop(self.sandbox.shutdown(destroy=not restart))
+                await self._on_main_loop(self.sandbox.shutdown("keep" if restart else None))
             except Exception as exc:
                 log.warning("shutdown: %s", exc)
         return {"status": "ok", "restart": restart}
@@ -244,13 +271,14 @@ class SandboxKernel(Kernel):
         key = hashlib.sha256(str(Path(connection_file).resolve()).encode()).hexdigest()[:24]
         return state_dir() / "handoff" / f"{key}.json"
 
-    def _write_handoff(self, sandbox_id: str) -> None:
+    def _write_handoff(self, sandbox_id: str, on_shutdown: str) -> None:
         path = self._handoff_path()
         if path is not None:
             path.parent.mkdir(mode=0o700, exist_ok=True)
-            write_private(path, json.dumps({"sandbox_id": sandbox_id, "time": time.time()}))
+            write_private(path, json.dumps({"sandbox_id": sandbox_id, "on_shutdown": on_shutdown,
+                                            "time": time.time()}))
 
-    def _take_handoff(self) -> str | None:
+    def _take_handoff(self) -> dict[str, Any] | None:
         path = self._handoff_path()
         if path is None or not path.exists():
             return None
@@ -258,9 +286,9 @@ class SandboxKernel(Kernel):
             info = json.loads(path.read_text())
         finally:
             path.unlink(missing_ok=True)
-        if time.time() - info.get("time", 0) > HANDOFF_MAX_AGE:
+        if time.time() - info.get("time", 0) > HANDOFF_MAX_AGE or "sandbox_id" not in info:
             return None
-        return info.get("sandbox_id")
+        return info
 
 
 class _EventTranslator:

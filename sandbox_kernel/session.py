@@ -21,10 +21,13 @@ from typing import Any
 
 from .api import (
     APITransportError,
+    ConflictError,
     CreateSandboxRequest,
     ProtocolError,
     SandboxAPIError,
     SandboxClient,
+    SandboxStatus,
+    SandboxView,
     ServerError,
 )
 from .config import Settings, open_client
@@ -40,7 +43,11 @@ MAX_INLINE_CODE = 64 * 1024
 RUNNER_READY_TIMEOUT = 30.0
 RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
 
+# Polling a transition (pause, resume): CreateOS pauses can take minutes.
+POLL_FIRST, POLL_MAX, TRANSITION_BUDGET = 0.1, 2.0, 900.0
+
 EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
+Progress = Callable[[str], None]
 # Failures of a single exec connection that a reconnect can repair.
 RECOVERABLE = (APITransportError, ProtocolError, ServerError)
 
@@ -60,28 +67,55 @@ class SandboxSession:
         self.sandbox_id: str | None = None
         self.runner_info: dict[str, Any] = {}
         self.boot_seconds: float | None = None
+        # What shutdown does with the sandbox: destroy what we created, keep what we adopted.
+        self.on_shutdown = "destroy"
 
     # -- start ----------------------------------------------------------------------------
 
-    async def start(self, attach_to: str | None = None) -> None:
-        """Create a sandbox (or adopt `attach_to`) and start a fresh runner in it."""
+    async def start(self, attach_to: str | None = None, fresh_runner: bool = True) -> None:
+        """Create a sandbox, or adopt `attach_to` (keeping its runner unless fresh_runner)."""
         started = time.monotonic()
         try:
             if self.client is None:
                 self.client = await open_client(self.settings)
             if attach_to:
-                view = await self.client.get_sandbox(attach_to)
-                self.sandbox_id = view.id
+                await self.attach(attach_to, fresh_runner=fresh_runner)
             else:
                 created = await self.client.create_sandbox(CreateSandboxRequest(shape=self.settings.shape))
                 self.sandbox_id = created.id
-            await self.start_runner()
+                await self.start_runner()
         except SandboxAPIError as exc:
             raise SessionError(f"could not start a sandbox on {self.settings.description}: "
                                f"{exc.user_message()}") from None
         except (OSError, RuntimeError) as exc:
             raise SessionError(f"could not start a sandbox on {self.settings.description}: {exc}") from None
         self.boot_seconds = time.monotonic() - started
+
+    async def attach(self, sandbox_id: str, fresh_runner: bool = False,
+                     progress: Progress | None = None) -> bool:
+        """Drive `sandbox_id` from now on; return True if its running runner was kept.
+
+        A runner already alive in it (a fork's, or another notebook's) is kept with its
+        state, unless fresh_runner asks for a new one.
+        """
+        client = self._client()
+        view = await client.get_sandbox(sandbox_id)
+        self.sandbox_id = view.id
+        self.on_shutdown = "keep"
+        if view.status in (SandboxStatus.PAUSED, SandboxStatus.PAUSING):
+            await self.resume(progress)
+        elif view.status != SandboxStatus.RUNNING:
+            raise SessionError(f"sandbox {view.id} is {view.status.value}: it cannot run cells")
+        if not fresh_runner:
+            try:
+                info = await self.runner_request({"op": "info"})
+            except SessionError:
+                info = {}
+            if "python_version" in info:
+                self.runner_info = info
+                return True
+        await self.start_runner()
+        return False
 
     async def start_runner(self) -> None:
         """Upload runner.py and start its daemon; an older daemon is stopped first."""
@@ -111,16 +145,82 @@ class SandboxSession:
         return result
 
     def _require(self) -> tuple[SandboxClient, str]:
-        if self.client is None or self.sandbox_id is None:
+        if self.sandbox_id is None:
             raise SessionError("no sandbox: the session has not started")
-        return self.client, self.sandbox_id
+        return self._client(), self.sandbox_id
+
+    def _client(self) -> SandboxClient:
+        if self.client is None:
+            raise SessionError("no sandbox: the session has not started")
+        return self.client
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def view(self) -> SandboxView:
+        client, sandbox_id = self._require()
+        return await client.get_sandbox(sandbox_id)
+
+    async def list_sandboxes(self) -> list[SandboxView]:
+        return await self._client().list_sandboxes()
+
+    async def pause(self, progress: Progress | None = None) -> SandboxView:
+        client, sandbox_id = self._require()
+        ack = await client.pause_sandbox(sandbox_id)
+        return await self._settle(ack.status, SandboxStatus.PAUSED, progress)
+
+    async def resume(self, progress: Progress | None = None) -> SandboxView:
+        client, sandbox_id = self._require()
+        ack = await client.resume_sandbox(sandbox_id)
+        return await self._settle(ack.status, SandboxStatus.RUNNING, progress)
+
+    async def _settle(self, status: SandboxStatus, target: SandboxStatus,
+                      progress: Progress | None) -> SandboxView:
+        """Poll until the sandbox reaches `target`, reporting progress; fail on a dead end."""
+        started = time.monotonic()
+        delay = POLL_FIRST
+        while True:
+            view = await self.view()
+            if view.status == target:
+                return view
+            if view.status not in (SandboxStatus.PAUSING, SandboxStatus.RESUMING,
+                                   SandboxStatus.PAUSED, SandboxStatus.RUNNING):
+                raise SessionError(f"sandbox {view.id} is {view.status.value}")
+            waited = time.monotonic() - started
+            if waited > TRANSITION_BUDGET:
+                raise SessionError(f"sandbox {view.id} is still {view.status.value} "
+                                   f"after {TRANSITION_BUDGET:.0f} s")
+            if progress:
+                progress(f"({view.status.value}, {waited:.0f} s)")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, POLL_MAX)
 
     # -- cells ----------------------------------------------------------------------------
 
     async def run_cell(self, cell_id: str, code: str, on_event: EventHandler, *,
                        silent: bool = False, store_history: bool = True,
-                       execution_count: int | None = None) -> dict[str, Any]:
-        """Run one cell, calling on_event for every event in order; return its done event."""
+                       execution_count: int | None = None,
+                       on_resume: Callable[[], Progress] | None = None) -> dict[str, Any]:
+        """Run one cell, calling on_event for every event in order; return its done event.
+
+        A paused sandbox is resumed first (CreateOS answers 409 to an exec on it);
+        on_resume() is called then, and gives the progress callback for the wait.
+        """
+        kwargs = dict(silent=silent, store_history=store_history, execution_count=execution_count)
+        try:
+            return await self._run_cell(cell_id, code, on_event, **kwargs)
+        except ConflictError:
+            view = await self.view()
+            if view.status not in (SandboxStatus.PAUSED, SandboxStatus.PAUSING):
+                raise SessionError(f"sandbox {view.id} is {view.status.value}: it cannot run cells") from None
+        progress = on_resume() if on_resume else None
+        started = time.monotonic()
+        await self.resume(progress)
+        if progress:
+            progress(f"resumed in {time.monotonic() - started:.1f} s")
+        return await self._run_cell(cell_id, code, on_event, **kwargs)
+
+    async def _run_cell(self, cell_id: str, code: str, on_event: EventHandler, *,
+                        silent: bool, store_history: bool, execution_count: int | None) -> dict[str, Any]:
         client, sandbox_id = self._require()
         request: dict[str, Any] = {"cell_id": cell_id, "silent": silent,
                                    "store_history": store_history}
@@ -167,12 +267,19 @@ class SandboxSession:
 
     # -- end ------------------------------------------------------------------------------
 
-    async def shutdown(self, destroy: bool = True) -> None:
+    async def destroy(self, sandbox_id: str) -> None:
+        await self._client().delete_sandbox(sandbox_id)
+
+    async def shutdown(self, policy: str | None = None) -> None:
+        """Close the session; the sandbox is destroyed, paused or kept per `policy`."""
         if self.client is None:
             return
+        policy = policy or self.on_shutdown
         try:
-            if destroy and self.sandbox_id:
+            if self.sandbox_id and policy == "destroy":
                 await self.client.delete_sandbox(self.sandbox_id)
+            elif self.sandbox_id and policy == "pause":
+                await self.client.pause_sandbox(self.sandbox_id)
         finally:
             await self.client.aclose()
             self.client = None

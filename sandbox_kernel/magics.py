@@ -1,0 +1,192 @@
+"""%sandbox magics, handled on the host: they drive the sandbox through the API and are
+never sent into it.
+
+A cell is split into top-level `%sandbox` lines and the code between them; they run in
+order, so `x = 1` / `%sandbox pause` pauses after x is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from .api import SandboxView
+from .config import SHUTDOWN_POLICIES
+from .output import CellOutput
+from .session import SandboxSession
+
+MAGIC = "%sandbox"
+HELP = """\
+%sandbox — manage this notebook's sandbox (handled by the kernel, not run in the sandbox)
+
+  %sandbox status                 id, state, shape, age and origin of this notebook's sandbox
+  %sandbox list                   every sandbox of this provider
+  %sandbox pause                  freeze the sandbox (memory and files kept, compute stops)
+  %sandbox resume                 continue a paused sandbox (running a cell also resumes it)
+  %sandbox attach ID [--destroy-previous] [--fresh]
+                                  drive sandbox ID from this notebook; the previous sandbox is
+                                  kept unless --destroy-previous; --fresh starts a new Python
+                                  in it instead of keeping the one running there
+  %sandbox on-shutdown destroy|pause|keep
+                                  what closing this notebook does to its sandbox
+  %sandbox help                   this text
+"""
+
+
+class MagicError(Exception):
+    """A mistake in a magic line; the message is one line for the user."""
+
+
+@dataclass
+class Segment:
+    """A run of code lines, or one magic line, of a cell."""
+
+    magic: bool
+    text: str
+
+
+def split_cell(code: str) -> list[Segment]:
+    segments: list[Segment] = []
+    for line in code.splitlines(keepends=True):
+        if is_magic_line(line):
+            segments.append(Segment(True, line.strip()))
+        elif segments and not segments[-1].magic:
+            segments[-1].text += line
+        else:
+            segments.append(Segment(False, line))
+    return [s for s in segments if s.magic or s.text.strip()]
+
+
+def is_magic_line(line: str) -> bool:
+    return line.startswith(MAGIC) and line[len(MAGIC):len(MAGIC) + 1] in ("", " ", "\t", "\n", "\r")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise MagicError(f"%sandbox: {message} (see %sandbox help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="%sandbox", add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    sub = parser.add_subparsers(dest="command")
+    for name in ("status", "list", "pause", "resume", "help"):
+        sub.add_parser(name, add_help=False)
+    attach = sub.add_parser("attach", add_help=False)
+    attach.add_argument("sandbox_id")
+    attach.add_argument("--destroy-previous", action="store_true")
+    attach.add_argument("--fresh", action="store_true")
+    policy = sub.add_parser("on-shutdown", add_help=False)
+    policy.add_argument("policy", choices=SHUTDOWN_POLICIES)
+    return parser
+
+
+PARSER = build_parser()
+
+
+def parse_time(stamp: str | None) -> datetime | None:
+    """RFC3339 as CreateOS (Go, up to nanoseconds) or the local engine writes it."""
+    if not stamp:
+        return None
+    match = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)?$", stamp)
+    if not match:
+        return None
+    base, fraction, zone = match.groups()
+    fraction = (fraction or ".0")[:7]
+    zone = "+00:00" if zone in (None, "Z") else zone
+    return datetime.fromisoformat(base + fraction + zone)
+
+
+def describe_age(created_at: str | None, now: datetime | None = None) -> str:
+    created = parse_time(created_at)
+    if created is None:
+        return "?"
+    seconds = int(((now or datetime.now(timezone.utc)) - created).total_seconds())
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
+def status_rows(view: SandboxView, provider: str, policy: str) -> list[tuple[str, str]]:
+    return [("id", view.id), ("state", view.status.value), ("provider", provider),
+            ("shape", f"{view.shape or '?'} ({view.vcpu} vCPU, {view.mem_mib} MiB)"),
+            ("age", describe_age(view.created_at)), ("forked from", view.forked_from or "—"),
+            ("on shutdown", policy)]
+
+
+def table(rows: list[tuple[str, str]]) -> dict[str, str]:
+    """A mime bundle: an HTML table for notebooks, aligned text for everything else."""
+    width = max(len(k) for k, _ in rows)
+    text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                   for k, v in rows)
+    return {"text/plain": text, "text/html": f"<table>{body}</table>"}
+
+
+class SandboxMagics:
+    def __init__(self, session: SandboxSession, out: CellOutput) -> None:
+        self.session = session
+        self.out = out
+
+    async def run(self, line: str) -> None:
+        args = PARSER.parse_args(line[len(MAGIC):].split())
+        command = "help" if args.help or args.command is None else args.command
+        handler = getattr(self, "do_" + command.replace("-", "_"))
+        await handler(args)
+
+    async def do_help(self, _: argparse.Namespace) -> None:
+        self.out.text(HELP)
+
+    async def do_status(self, _: argparse.Namespace) -> None:
+        view = await self.session.view()
+        self.out.display(table(status_rows(view, self.session.settings.description,
+                                           self.session.on_shutdown)))
+
+    async def do_list(self, _: argparse.Namespace) -> None:
+        views = await self.session.list_sandboxes()
+        if not views:
+            self.out.text(f"no sandboxes on {self.session.settings.description}\n")
+            return
+        rows = [(v.id + (" (this notebook)" if v.id == self.session.sandbox_id else ""),
+                 f"{v.status.value}, {v.shape or '?'}, {describe_age(v.created_at)} old"
+                 + (f", forked from {v.forked_from}" if v.forked_from else ""))
+                for v in views]
+        self.out.display(table(rows))
+
+    async def do_pause(self, _: argparse.Namespace) -> None:
+        await self._transition("Pausing", self.session.pause, "paused")
+
+    async def do_resume(self, _: argparse.Namespace) -> None:
+        await self._transition("Resuming", self.session.resume, "running again")
+
+    async def _transition(self, verb: str, action, outcome: str) -> None:  # type: ignore[no-untyped-def]
+        started = time.monotonic()
+        line = self.out.progress(f"{verb} sandbox {self.session.sandbox_id}…")
+        await action(line)
+        line.update(f"Sandbox {self.session.sandbox_id} {outcome} ({time.monotonic() - started:.1f} s)")
+
+    async def do_attach(self, args: argparse.Namespace) -> None:
+        previous = self.session.sandbox_id
+        if args.sandbox_id == previous:
+            raise MagicError(f"%sandbox attach: this notebook already drives {previous}")
+        line = self.out.progress(f"Attaching to sandbox {args.sandbox_id}…")
+        kept = await self.session.attach(args.sandbox_id, fresh_runner=args.fresh, progress=line)
+        state = "its Python state kept" if kept else "a fresh Python started"
+        line.update(f"This notebook now drives sandbox {args.sandbox_id} ({state})")
+        if previous and args.destroy_previous:
+            await self.session.destroy(previous)
+            self.out.text(f"Destroyed the previous sandbox {previous}\n")
+        elif previous:
+            self.out.text(f"The previous sandbox {previous} is kept "
+                          f"(%sandbox attach {previous} to go back)\n")
+
+    async def do_on_shutdown(self, args: argparse.Namespace) -> None:
+        self.session.on_shutdown = args.policy
+        outcome = {"destroy": "destroyed", "pause": "paused", "keep": "kept"}[args.policy]
+        self.out.text(f"When this notebook shuts down, sandbox {self.session.sandbox_id} will be {outcome}\n")
