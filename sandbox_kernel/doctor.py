@@ -39,6 +39,22 @@ def probe_bwrap(bwrap: str) -> tuple[bool, str]:
     return False, (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
 
 
+def pause_line() -> str:
+    """Which mechanism freezes a paused sandbox here (probed for real, as the engine does)."""
+    from .local.freezer import FreezerError, SignalFreezer, select
+
+    try:
+        freezer = select()
+    except FreezerError as exc:
+        return f"✗ pause: {exc}"
+    if isinstance(freezer, SignalFreezer):
+        why = ("SANDBOX_KERNEL_FREEZER=signal" if os.environ.get("SANDBOX_KERNEL_FREEZER") == "signal"
+               else "no usable cgroup freezer")
+        return (f"✓ pause: {freezer.describe()} ({why}; "
+                "a process the sandbox stopped itself is continued on resume)")
+    return f"✓ pause: {freezer.describe()}; a paused sandbox gets no CPU"
+
+
 def report() -> tuple[bool, list[str]]:
     lines = [f"sandbox-kernel doctor — {platform.system()} {platform.release()}, "
              f"Python {platform.python_version()} ({sys.executable})"]
@@ -76,6 +92,7 @@ def report() -> tuple[bool, list[str]]:
         lines.append("    unprivileged user namespaces may be disabled "
                      "(sysctl kernel.unprivileged_userns_clone=1, or user.max_user_namespaces > 0)")
     lines.append(f"  cgroups: {cgroup_version()}, running as uid {os.getuid()}")
+    lines.append("  " + pause_line())
     lines.append("  ✗ limits: the shape's memory, CPU, process and disk limits are NOT enforced yet "
                  "on the local engine (planned); use CreateOS for hard limits")
 

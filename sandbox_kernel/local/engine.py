@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..api.models import (
     CreateSandboxRequest,
+    PatchSandboxRequest,
     RootfsCatalog,
     RootfsEntry,
     SandboxStatus,
@@ -31,10 +32,11 @@ from ..api.models import (
 )
 from .agent_client import AgentClient, AgentError, AgentUnavailable
 from .bwrap import SandboxDirs, bwrap_arguments, find_bwrap, launch_command
+from .freezer import Freezer, Handle, SignalFreezer, select as select_freezer
 
 log = logging.getLogger("sandbox_kernel.engine")
 
-AGENT_SCRIPT = Path(__file__).with_name("agent.py")
+GUEST_DIR = Path(__file__).with_name("guest")  # files that run inside sandboxes
 AGENT_START_TIMEOUT = 15.0
 DEFAULT_DISK_MIB = 10240
 
@@ -51,6 +53,8 @@ ROOTFS = RootfsCatalog(
 ADJECTIVES = ("brave", "calm", "eager", "fond", "keen", "lucid", "merry", "quiet", "swift", "wise")
 ANIMALS = ("otter", "heron", "lynx", "marten", "newt", "puffin", "stoat", "tapir", "vole", "wren")
 KEEP_DESTROYED = 200
+AUTO_PAUSE_CHECK_SECONDS = 2.0
+TRANSITIONAL = (SandboxStatus.PAUSING, SandboxStatus.RESUMING)
 
 
 class EngineError(Exception):
@@ -105,7 +109,16 @@ class LocalSandbox:
     running_at: float | None = None
     destroyed_at: float | None = None
     spawn_ms: int | None = None
+    paused_at: float | None = None
+    last_resumed_at: float | None = None
     process: asyncio.subprocess.Process | None = None
+    # Pausing: which freezer holds this sandbox's processes, and the pause/resume in flight.
+    freezer: Freezer | None = None
+    frozen: Handle | None = None
+    transition: asyncio.Task | None = None
+    # Auto-pause: last exec/file request (monotonic) and execs still streaming.
+    last_activity: float = field(default_factory=time.monotonic)
+    active_execs: int = 0
 
     @property
     def agent(self) -> AgentClient:
@@ -119,7 +132,16 @@ class LocalSandbox:
             running_at=rfc3339(self.running_at) if self.running_at else None,
             destroyed_at=rfc3339(self.destroyed_at) if self.destroyed_at else None,
             ingress_enabled=False, spawn_ms=self.spawn_ms, egress=list(self.egress),
-            envs=sorted(self.envs), auto_pause_after_seconds=self.auto_pause_after_seconds)
+            envs=sorted(self.envs), auto_pause_after_seconds=self.auto_pause_after_seconds,
+            paused_at=rfc3339(self.paused_at) if self.paused_at else None,
+            last_resumed_at=rfc3339(self.last_resumed_at) if self.last_resumed_at else None)
+
+    def touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    def idle_for(self) -> float:
+        """Seconds with no exec/file request; 0 while an exec is still running."""
+        return 0.0 if self.active_execs else time.monotonic() - self.last_activity
 
 
 class Engine:
@@ -129,6 +151,10 @@ class Engine:
         self.bwrap = bwrap or find_bwrap()
         self.sandboxes: dict[str, LocalSandbox] = {}
         self.last_activity = time.monotonic()
+        self.freezer = select_freezer()
+        log.info("pausing sandboxes with: %s", self.freezer.describe())
+        self._auto_pauser: asyncio.Task | None = None
+        self._fallback: Freezer | None = None  # for a sandbox the freezer could not attach
 
     def touch(self) -> None:
         self.last_activity = time.monotonic()
@@ -175,6 +201,7 @@ class Engine:
             egress=[] if request.egress in (None, ["*"]) else list(request.egress),
             auto_pause_after_seconds=request.auto_pause_after_seconds)
         self.sandboxes[sandbox_id] = sandbox
+        self._start_auto_pauser()
         try:
             await self._start(sandbox)
         except Exception:
@@ -186,7 +213,7 @@ class Engine:
     async def _start(self, sandbox: LocalSandbox) -> None:
         started = time.monotonic()
         sandbox.dirs.create(hostname="sandbox")
-        arguments = "\0".join(bwrap_arguments(sandbox.id, sandbox.dirs, AGENT_SCRIPT)) + "\0"
+        arguments = "\0".join(bwrap_arguments(sandbox.id, sandbox.dirs, GUEST_DIR)) + "\0"
         args_read, args_write = os.pipe()
         log_file = open(sandbox.dirs.root / "bwrap.log", "ab")
         try:
@@ -196,6 +223,9 @@ class Engine:
                     stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
         finally:
             os.close(args_read)
+        # bwrap is blocked reading its options: put it into the sandbox's cgroup now, so
+        # every process the sandbox ever creates starts inside it.
+        self._attach(sandbox, sandbox.process.pid)
         with os.fdopen(args_write, "wb") as pipe:  # a few KiB: fits the pipe buffer
             pipe.write(arguments.encode())
         await self._wait_for_agent(sandbox)
@@ -204,6 +234,18 @@ class Engine:
         sandbox.status = SandboxStatus.RUNNING
         asyncio.get_running_loop().create_task(self._watch(sandbox))
         log.info("sandbox %s running (%d ms)", sandbox.id, sandbox.spawn_ms)
+
+    def _attach(self, sandbox: LocalSandbox, pid: int) -> None:
+        try:
+            sandbox.frozen = self.freezer.attach(sandbox.id, pid)
+            sandbox.freezer = self.freezer
+        except Exception as exc:  # noqa: BLE001 - e.g. cgroup limit hit: still pausable by signals
+            log.warning("sandbox %s: %s failed (%s); it will pause by SIGSTOP",
+                        sandbox.id, self.freezer.describe(), exc)
+            if not isinstance(self._fallback, SignalFreezer):
+                self._fallback = SignalFreezer()
+            sandbox.freezer = self._fallback
+            sandbox.frozen = sandbox.freezer.attach(sandbox.id, pid)
 
     async def _wait_for_agent(self, sandbox: LocalSandbox) -> None:
         deadline = time.monotonic() + AGENT_START_TIMEOUT
@@ -222,7 +264,7 @@ class Engine:
         """Mark a sandbox whose agent died on its own as `error` (it can still be destroyed)."""
         assert sandbox.process is not None
         await sandbox.process.wait()
-        if sandbox.status == SandboxStatus.RUNNING:
+        if sandbox.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED, *TRANSITIONAL):
             log.warning("sandbox %s exited unexpectedly", sandbox.id)
             sandbox.status = SandboxStatus.ERROR
 
@@ -230,6 +272,13 @@ class Engine:
         sandbox = self.get(sandbox_id)
         if sandbox.status in TERMINAL:
             return sandbox
+        if sandbox.transition and not sandbox.transition.done():
+            with contextlib.suppress(Exception):  # a pause/resume is short: let it finish
+                await asyncio.shield(sandbox.transition)
+            if sandbox.status in TERMINAL:
+                return sandbox
+        if sandbox.status == SandboxStatus.DESTROYING:
+            raise Conflict("sandbox is already being destroyed", code="invalid_state")
         sandbox.status = SandboxStatus.DESTROYING
         await self._stop(sandbox)
         sandbox.status = SandboxStatus.DESTROYED
@@ -239,10 +288,16 @@ class Engine:
 
     async def _stop(self, sandbox: LocalSandbox) -> None:
         # Killing bwrap kills the sandbox's init (--die-with-parent), and with it the
-        # whole pid namespace: nothing of the sandbox outlives this.
+        # whole pid namespace: nothing of the sandbox outlives this. The freezer first
+        # kills whatever it holds and thaws it: a frozen process only dies once thawed.
+        if sandbox.freezer and sandbox.frozen:
+            await asyncio.to_thread(sandbox.freezer.kill, sandbox.frozen)
         if sandbox.process and sandbox.process.returncode is None:
             sandbox.process.kill()
             await sandbox.process.wait()
+        if sandbox.freezer and sandbox.frozen:
+            await asyncio.to_thread(sandbox.freezer.release, sandbox.frozen)
+            sandbox.frozen = None
         await asyncio.to_thread(shutil.rmtree, sandbox.dirs.root, True)
 
     def _forget_old_destroyed(self) -> None:
@@ -258,28 +313,121 @@ class Engine:
                 return name
 
     async def close(self) -> None:
+        if self._auto_pauser:
+            self._auto_pauser.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._auto_pauser
         for sandbox in list(self.sandboxes.values()):
             if sandbox.status not in TERMINAL:
                 await self.destroy(sandbox.id)
+
+    # -- pause, resume, patch ---------------------------------------------------------
+
+    def pause(self, sandbox_id: str) -> LocalSandbox:
+        """Start pausing (answer `pausing` at once, like CreateOS); a task freezes it."""
+        sandbox = self.get(sandbox_id)
+        if sandbox.status != SandboxStatus.RUNNING:
+            raise Conflict(f"sandbox is {sandbox.status.value}: only a running sandbox can be paused",
+                           code="invalid_state")
+        self._begin(sandbox, SandboxStatus.PAUSING, self._freeze(sandbox))
+        return sandbox
+
+    def resume(self, sandbox_id: str) -> LocalSandbox:
+        sandbox = self.get(sandbox_id)
+        if sandbox.status != SandboxStatus.PAUSED:
+            raise Conflict(f"sandbox is {sandbox.status.value}: only a paused sandbox can be resumed",
+                           code="invalid_state")
+        self._begin(sandbox, SandboxStatus.RESUMING, self._thaw(sandbox))
+        return sandbox
+
+    def patch(self, sandbox_id: str, request: PatchSandboxRequest) -> LocalSandbox:
+        sandbox = self.get(sandbox_id)
+        if request.ingress_enabled:
+            raise InvalidRequest("ingress is not supported by the local engine",
+                                 code="ingress_unsupported")
+        if sandbox.status in TERMINAL or sandbox.status == SandboxStatus.DESTROYING:
+            raise Conflict(f"sandbox is {sandbox.status.value}", code="invalid_state")
+        if request.disable_auto_pause:
+            sandbox.auto_pause_after_seconds = None
+        elif request.auto_pause_after_seconds is not None:
+            sandbox.auto_pause_after_seconds = request.auto_pause_after_seconds
+            sandbox.touch()  # the new timeout counts from now
+        return sandbox
+
+    def _begin(self, sandbox: LocalSandbox, status: SandboxStatus, work) -> None:  # type: ignore[no-untyped-def]
+        sandbox.status = status
+        sandbox.transition = asyncio.get_running_loop().create_task(work)
+
+    async def _freeze(self, sandbox: LocalSandbox) -> None:
+        assert sandbox.freezer and sandbox.frozen
+        try:
+            await asyncio.to_thread(sandbox.freezer.freeze, sandbox.frozen)
+        except Exception as exc:  # noqa: BLE001 - the freezer thawed it again
+            log.warning("sandbox %s could not be paused: %s", sandbox.id, exc)
+            if sandbox.status == SandboxStatus.PAUSING:
+                sandbox.status = SandboxStatus.RUNNING
+            return
+        if sandbox.status == SandboxStatus.PAUSING:
+            sandbox.status = SandboxStatus.PAUSED
+            sandbox.paused_at = time.time()
+            log.info("sandbox %s paused", sandbox.id)
+
+    async def _thaw(self, sandbox: LocalSandbox) -> None:
+        assert sandbox.freezer and sandbox.frozen
+        try:
+            await asyncio.to_thread(sandbox.freezer.thaw, sandbox.frozen)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("sandbox %s could not be resumed: %s", sandbox.id, exc)
+            if sandbox.status == SandboxStatus.RESUMING:
+                sandbox.status = SandboxStatus.ERROR
+            return
+        if sandbox.status == SandboxStatus.RESUMING:
+            sandbox.status = SandboxStatus.RUNNING
+            sandbox.last_resumed_at = time.time()
+            sandbox.touch()  # auto-pause counts from the resume, not from before the pause
+            log.info("sandbox %s resumed", sandbox.id)
+
+    def _start_auto_pauser(self) -> None:
+        if self._auto_pauser is None or self._auto_pauser.done():
+            self._auto_pauser = asyncio.get_running_loop().create_task(self._auto_pause_loop())
+
+    async def _auto_pause_loop(self) -> None:
+        while True:
+            await asyncio.sleep(AUTO_PAUSE_CHECK_SECONDS)
+            for sandbox in list(self.sandboxes.values()):
+                limit = sandbox.auto_pause_after_seconds
+                if (limit and sandbox.status == SandboxStatus.RUNNING
+                        and sandbox.idle_for() >= limit):
+                    log.info("sandbox %s idle for %.0f s: auto-pausing", sandbox.id,
+                             sandbox.idle_for())
+                    with contextlib.suppress(EngineError):
+                        self.pause(sandbox.id)
 
     # -- work inside a sandbox --------------------------------------------------------
 
     async def exec(self, sandbox_id: str, cmd: str, args: list[str]) -> AsyncIterator[dict]:
         """Yield CreateOS exec frames; closing the iterator early kills the command."""
         sandbox = self.running(sandbox_id)
+        sandbox.active_execs += 1  # a running command is activity for its whole duration
+        sandbox.touch()
         try:
             async for frame in sandbox.agent.exec(cmd, args, sandbox.envs):
                 yield frame
         except AgentUnavailable:
             yield {"error": "sandbox agent is not reachable"}
             yield {"exit_code": -1}
+        finally:
+            sandbox.active_execs -= 1
+            sandbox.touch()
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes) -> int:
         sandbox = self.running(sandbox_id)
+        sandbox.touch()
         return await self._file_op(sandbox.agent.write_file(path, data))
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         sandbox = self.running(sandbox_id)
+        sandbox.touch()
         return await self._file_op(sandbox.agent.read_file(path))
 
     @staticmethod

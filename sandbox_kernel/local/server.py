@@ -32,6 +32,7 @@ from ..api.models import (
     ExecResult,
     FileUploadResponse,
     Health,
+    PatchSandboxRequest,
     Readiness,
 )
 from .agent_client import AgentUnavailable
@@ -131,7 +132,7 @@ def create_app(engine: Engine, token: str) -> FastAPI:
         paused = sum(1 for sb in live if sb.status.value == "paused")
         return jsend({"user_id": "local", "stats": {
             "running": running, "paused": paused, "other": len(live) - running - paused,
-            "total": len(live)}})
+            "total": len(live)}, "engine": {"freezer": engine.freezer.describe()}})
 
     # -- sandboxes ---------------------------------------------------------------------
 
@@ -154,6 +155,19 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     async def destroy_sandbox(sandbox_id: str) -> JSONResponse:
         sandbox = await engine.destroy(sandbox_id)
         return jsend(DestroyResponse(id=sandbox.id, status=sandbox.status))
+
+    @app.patch("/v1/sandboxes/{sandbox_id}")
+    async def patch_sandbox(sandbox_id: str, body: PatchSandboxRequest) -> JSONResponse:
+        return jsend(engine.patch(sandbox_id, body).view())
+
+    # Asynchronous like CreateOS: answer `pausing`/`resuming` now; poll GET for the result.
+    @app.post("/v1/sandboxes/{sandbox_id}/pause")
+    async def pause_sandbox(sandbox_id: str) -> JSONResponse:
+        return jsend(engine.pause(sandbox_id).view())
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume")
+    async def resume_sandbox(sandbox_id: str) -> JSONResponse:
+        return jsend(engine.resume(sandbox_id).view())
 
     # -- exec ----------------------------------------------------------------------------
 

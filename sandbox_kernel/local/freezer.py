@@ -1,0 +1,427 @@
+"""Freezing a local sandbox: what makes pause/resume stop every process of it.
+
+One interface, three mechanisms, chosen once when the engine starts
+(`SANDBOX_KERNEL_FREEZER=auto|cgroup-v2|cgroup-v1|signal`, default auto = the first that
+really works on this host, in that order):
+
+- cgroup v2: a child cgroup per sandbox under a writable (delegated) cgroup, frozen with
+  `cgroup.freeze`; frozen once `cgroup.events` says `frozen 1`.
+- cgroup v1: `/sys/fs/cgroup/freezer/sandbox-kernel/<id>`, `freezer.state` = FROZEN.
+- signal: SIGSTOP to the bwrap process and every descendant (rescanned until no new
+  process appears), SIGCONT to resume. Works anywhere, but a process that the sandbox
+  stopped itself is continued on resume.
+
+`attach` must be called with the bwrap pid before bwrap reads its options (it blocks on
+the options pipe), so every process the sandbox ever creates is inside its cgroup.
+All methods block (file I/O and short polls): the engine calls them in a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("sandbox_kernel.freezer")
+
+FREEZE_TIMEOUT = 10.0
+EMPTY_TIMEOUT = 10.0
+POLL = 0.01
+GROUP = "sandbox-kernel"
+CHOICES = ("auto", "cgroup-v2", "cgroup-v1", "signal")
+
+
+class FreezerError(RuntimeError):
+    pass
+
+
+@dataclass
+class Handle:
+    """What a freezer knows about one sandbox."""
+
+    sandbox_id: str
+    pid: int  # the process everything of the sandbox descends from (bwrap)
+    cgroup: Path | None = None
+    more: tuple[int, ...] = ()  # further roots (e.g. the processes of a fork)
+    stopped: set[int] = field(default_factory=set)
+
+
+class Freezer:
+    name = "none"
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def attach(self, sandbox_id: str, pid: int, *more: int) -> Handle:
+        """Put the (not yet started) sandbox process `pid` under this freezer's control.
+
+        `more`: further processes that belong to this sandbox with everything they start
+        later (a fork's agent and runner, which are born inside the source sandbox)."""
+        raise NotImplementedError
+
+    def freeze(self, handle: Handle) -> None:
+        """Return once no process of the sandbox can run; raise FreezerError otherwise."""
+        raise NotImplementedError
+
+    def thaw(self, handle: Handle) -> None:
+        raise NotImplementedError
+
+    def kill(self, handle: Handle) -> None:
+        """SIGKILL every process of the sandbox and make sure a frozen one can die."""
+        raise NotImplementedError
+
+    def release(self, handle: Handle) -> None:
+        """After the sandbox's processes were killed: wait for them to go, remove the cgroup."""
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _read(path: Path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _procs(cgroup: Path) -> list[int]:
+    with contextlib.suppress(FileNotFoundError):
+        return [int(p) for p in _read(cgroup / "cgroup.procs").split()]
+    return []
+
+
+def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def _remove(cgroup: Path, procs: list[int] | None = None) -> None:
+    """rmdir the cgroup once its processes are gone (they may take a moment to exit)."""
+    deadline = time.monotonic() + EMPTY_TIMEOUT
+    while True:
+        try:
+            cgroup.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                log.warning("could not remove cgroup %s: %s", cgroup, exc)
+                return
+        for pid in _procs(cgroup):
+            _kill(pid)
+        time.sleep(POLL)
+
+
+def _new_cgroup(cgroup: Path, pids: tuple[int, ...]) -> Path:
+    cgroup.mkdir()
+    try:
+        for pid in pids:  # moves the process (all its threads); its future children follow
+            _write(cgroup / "cgroup.procs", str(pid))
+    except OSError:
+        _remove(cgroup)
+        raise
+    return cgroup
+
+
+def _probe(freezer: Freezer) -> None:
+    """Freeze and thaw a throw-away process for real; raise if anything does not work."""
+    child = subprocess.Popen(["sleep", "30"], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    handle = None
+    try:
+        handle = freezer.attach(f"probe-{os.getpid()}-{child.pid}", child.pid)
+        freezer.freeze(handle)
+        freezer.thaw(handle)
+    finally:
+        if handle is not None:
+            freezer.kill(handle)
+        child.kill()
+        child.wait()
+        if handle is not None:
+            freezer.release(handle)
+
+
+# -- cgroup v2 ----------------------------------------------------------------------------
+
+
+def _cgroup2_mount() -> Path | None:
+    with contextlib.suppress(OSError):
+        for line in _read(Path("/proc/self/mountinfo")).splitlines():
+            left, _, right = line.partition(" - ")
+            if right.split(" ", 1)[0] == "cgroup2":
+                return Path(left.split()[4])
+    return None
+
+
+def _own_cgroup2() -> str | None:
+    with contextlib.suppress(OSError):
+        for line in _read(Path("/proc/self/cgroup")).splitlines():
+            if line.startswith("0::"):
+                return line[3:].strip()
+    return None
+
+
+class CgroupV2Freezer(Freezer):
+    name = "cgroup-v2"
+
+    def __init__(self, parent: Path) -> None:
+        self.parent = parent
+
+    def describe(self) -> str:
+        return f"cgroup v2 freezer ({self.parent})"
+
+    @classmethod
+    def candidates(cls) -> list[Path]:
+        mount = _cgroup2_mount()
+        if mount is None:
+            return []
+        found = []
+        own = _own_cgroup2()
+        if own is not None and own not in ("/", "") and not own.startswith("/.."):
+            found.append(mount / own.lstrip("/") / GROUP)  # delegated: our own cgroup's subtree
+        found.append(mount / GROUP)
+        return found
+
+    def attach(self, sandbox_id: str, pid: int, *more: int) -> Handle:
+        self.parent.mkdir(exist_ok=True)
+        return Handle(sandbox_id, pid, _new_cgroup(self.parent / sandbox_id, (pid, *more)), more)
+
+    def freeze(self, handle: Handle) -> None:
+        assert handle.cgroup is not None
+        _write(handle.cgroup / "cgroup.freeze", "1")
+        deadline = time.monotonic() + FREEZE_TIMEOUT
+        while "frozen 1" not in _read(handle.cgroup / "cgroup.events").splitlines():
+            if time.monotonic() > deadline:
+                self.thaw(handle)
+                raise FreezerError("the sandbox's cgroup did not freeze in time")
+            time.sleep(POLL)
+
+    def thaw(self, handle: Handle) -> None:
+        assert handle.cgroup is not None
+        with contextlib.suppress(FileNotFoundError):
+            _write(handle.cgroup / "cgroup.freeze", "0")
+
+    def kill(self, handle: Handle) -> None:
+        assert handle.cgroup is not None
+        # A fatal signal wakes a v2-frozen task, but thaw anyway so nothing waits on us.
+        if (handle.cgroup / "cgroup.kill").exists():
+            with contextlib.suppress(OSError):
+                _write(handle.cgroup / "cgroup.kill", "1")
+        for pid in _procs(handle.cgroup):
+            _kill(pid)
+        self.thaw(handle)
+
+    def release(self, handle: Handle) -> None:
+        assert handle.cgroup is not None
+        _remove(handle.cgroup)
+
+
+# -- cgroup v1 ----------------------------------------------------------------------------
+
+
+class CgroupV1Freezer(Freezer):
+    name = "cgroup-v1"
+    ROOT = Path("/sys/fs/cgroup/freezer")
+
+    def __init__(self) -> None:
+        self.parent = self.ROOT / GROUP
+
+    def describe(self) -> str:
+        return f"cgroup v1 freezer ({self.parent})"
+
+    def attach(self, sandbox_id: str, pid: int, *more: int) -> Handle:
+        if not (self.ROOT / "tasks").exists():
+            raise FreezerError("no cgroup v1 freezer hierarchy mounted")
+        self.parent.mkdir(exist_ok=True)
+        return Handle(sandbox_id, pid, _new_cgroup(self.parent / sandbox_id, (pid, *more)), more)
+
+    def freeze(self, handle: Handle) -> None:
+        assert handle.cgroup is not None
+        state = handle.cgroup / "freezer.state"
+        _write(state, "FROZEN")
+        deadline = time.monotonic() + FREEZE_TIMEOUT
+        rewritten = time.monotonic()
+        while _read(state).strip() != "FROZEN":
+            now = time.monotonic()
+            if now > deadline:
+                self.thaw(handle)
+                raise FreezerError("the sandbox's cgroup stayed FREEZING")
+            if now - rewritten > 0.5:  # FREEZING may need a nudge (tasks that were busy)
+                _write(state, "FROZEN")
+                rewritten = now
+            time.sleep(POLL)
+
+    def thaw(self, handle: Handle) -> None:
+        assert handle.cgroup is not None
+        with contextlib.suppress(FileNotFoundError):
+            _write(handle.cgroup / "freezer.state", "THAWED")
+
+    def kill(self, handle: Handle) -> None:
+        assert handle.cgroup is not None
+        # A v1-frozen task does not die until thawed: queue the SIGKILLs, then thaw.
+        for pid in _procs(handle.cgroup):
+            _kill(pid)
+        self.thaw(handle)
+
+    def release(self, handle: Handle) -> None:
+        assert handle.cgroup is not None
+        _remove(handle.cgroup)
+
+
+# -- signals ------------------------------------------------------------------------------
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, state) for every process on the host."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = _read(Path(entry.path) / "stat")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        table[int(entry.name)] = (int(fields[1]), fields[0])
+    return table
+
+
+def descendants(roots: "int | tuple[int, ...]", table: dict[int, tuple[int, str]] | None = None,
+                exclude: frozenset[int] = frozenset()) -> set[int]:
+    """roots and every process below them, by /proc ppid links, minus the subtrees
+    rooted at `exclude` (another sandbox born inside this one: a fork)."""
+    table = table if table is not None else _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    roots = (roots,) if isinstance(roots, int) else roots
+    found: set[int] = set()
+    todo = [r for r in roots if r in table]
+    while todo:
+        pid = todo.pop()
+        if pid not in found and (pid not in exclude or pid in roots):
+            found.add(pid)
+            todo.extend(children.get(pid, ()))
+    return found
+
+
+class SignalFreezer(Freezer):
+    name = "signal"
+
+    def __init__(self) -> None:
+        self.handles: dict[str, Handle] = {}
+
+    def describe(self) -> str:
+        return "SIGSTOP/SIGCONT of the sandbox's process tree"
+
+    def attach(self, sandbox_id: str, pid: int, *more: int) -> Handle:
+        handle = Handle(sandbox_id, pid, more=more)
+        self.handles[sandbox_id] = handle
+        return handle
+
+    def _tree(self, handle: Handle, table: dict[int, tuple[int, str]] | None = None) -> set[int]:
+        others = frozenset(p for h in self.handles.values() if h is not handle
+                           for p in (h.pid, *h.more))
+        return descendants((handle.pid, *handle.more), table, others)
+
+    def freeze(self, handle: Handle) -> None:
+        deadline = time.monotonic() + FREEZE_TIMEOUT
+        handle.stopped = set()
+        while True:
+            table = _process_table()
+            tree = self._tree(handle, table)
+            new = tree - handle.stopped
+            for pid in new:
+                _kill(pid, signal.SIGSTOP)
+            handle.stopped |= new
+            # Done when a scan finds nothing new and everything found is really stopped
+            # (a process forking just before its SIGSTOP landed shows up as new next time).
+            table = _process_table()
+            if not (self._tree(handle, table) - handle.stopped) and all(
+                    table[pid][1] in "TtZX" for pid in handle.stopped if pid in table):
+                return
+            if time.monotonic() > deadline:
+                self.thaw(handle)
+                raise FreezerError("the sandbox's processes did not all stop in time")
+            time.sleep(POLL)
+
+    def thaw(self, handle: Handle) -> None:
+        for pid in self._tree(handle) | handle.stopped:
+            _kill(pid, signal.SIGCONT)
+        handle.stopped = set()
+
+    def kill(self, handle: Handle) -> None:
+        tree = self._tree(handle)
+        for pid in tree:
+            _kill(pid)
+        for pid in tree:
+            _kill(pid, signal.SIGCONT)
+        handle.stopped = tree  # release() waits for these
+
+    def release(self, handle: Handle) -> None:
+        deadline = time.monotonic() + EMPTY_TIMEOUT
+        while time.monotonic() < deadline:
+            table = _process_table()
+            alive = [pid for pid in handle.stopped if pid in table and table[pid][1] not in "ZX"]
+            if not alive:  # (no second SIGKILL: a pid could have been reused by now)
+                break
+            time.sleep(POLL)
+        handle.stopped = set()
+        self.handles.pop(handle.sandbox_id, None)
+
+
+# -- choosing -----------------------------------------------------------------------------
+
+
+def _works(freezer: Freezer) -> Freezer | None:
+    try:
+        _probe(freezer)
+        return freezer
+    except Exception as exc:  # noqa: BLE001 - any failure means "not usable here"
+        log.info("%s not usable: %s", freezer.describe(), exc)
+        return None
+
+
+def _v2() -> Freezer | None:
+    for parent in CgroupV2Freezer.candidates():
+        freezer = _works(CgroupV2Freezer(parent))
+        if freezer:
+            return freezer
+    return None
+
+
+def _v1() -> Freezer | None:
+    return _works(CgroupV1Freezer())
+
+
+def select(choice: str | None = None) -> Freezer:
+    """The freezer SANDBOX_KERNEL_FREEZER asks for (default auto), checked for real here."""
+    choice = (choice or os.environ.get("SANDBOX_KERNEL_FREEZER") or "auto").strip().lower()
+    if choice not in CHOICES:
+        raise FreezerError(f"SANDBOX_KERNEL_FREEZER={choice!r}: use one of {', '.join(CHOICES)}")
+    if choice == "signal":
+        return SignalFreezer()
+    if choice in ("auto", "cgroup-v2"):
+        freezer = _v2()
+        if freezer or choice == "cgroup-v2":
+            if freezer is None:
+                raise FreezerError("cgroup v2 freezer is not usable here (no writable delegated cgroup)")
+            return freezer
+    if choice in ("auto", "cgroup-v1"):
+        freezer = _v1()
+        if freezer or choice == "cgroup-v1":
+            if freezer is None:
+                raise FreezerError("cgroup v1 freezer is not usable here "
+                                   "(/sys/fs/cgroup/freezer missing or not writable)")
+            return freezer
+    return SignalFreezer()
