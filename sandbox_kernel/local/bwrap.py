@@ -21,7 +21,9 @@ SANDBOX_GID = 1000
 WORKSPACE = "/workspace"
 AGENT_DIR = "/run/sandbox-agent"
 AGENT_SOCKET = AGENT_DIR + "/agent.sock"
-AGENT_SCRIPT = "/opt/sandbox-kernel/agent.py"
+GUEST_DIR = "/opt/sandbox-kernel"  # sandbox_kernel/local/guest, read-only
+AGENT_SCRIPT = GUEST_DIR + "/agent.py"
+FORKABLE_DIR = AGENT_DIR + "/forkable"  # processes that follow a fork register here
 
 # Host /etc entries a Python sandbox reasonably needs; nothing with secrets in it.
 HOST_ETC = ("ssl", "ca-certificates", "alternatives", "ld.so.cache", "localtime",
@@ -94,6 +96,7 @@ class SandboxDirs:
     def create(self, hostname: str) -> None:
         for path in (self.workspace, self.tmp, self.etc, self.agent):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (self.agent / "forkable").mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.tmp, 0o1777)
         (self.etc / "passwd").write_text(
             "root:x:0:0:root:/root:/bin/sh\n"
@@ -121,10 +124,11 @@ def sandbox_env(sandbox_id: str, python_bin: str) -> dict[str, str]:
         "MPLCONFIGDIR": "/tmp/.config/matplotlib",
         "IPYTHONDIR": "/tmp/.ipython",
         "SANDBOX_ID": sandbox_id,
+        "SANDBOX_FORKABLE_DIR": FORKABLE_DIR,
     }
 
 
-def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, agent_script: Path) -> list[str]:
+def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path) -> list[str]:
     """bwrap's options for one sandbox (the command is in launch_command)."""
     hostname = "sandbox"
     python_bin = os.path.dirname(sys.executable)
@@ -141,7 +145,7 @@ def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, agent_script: Path) -> l
         elif host.is_dir():
             cmd += ["--ro-bind", str(host), str(host)]
     cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm",
-            "--dir", "/etc", "--dir", "/run", "--dir", "/opt/sandbox-kernel"]
+            "--dir", "/etc", "--dir", "/run"]
     for name in HOST_ETC:
         if (Path("/etc") / name).exists():
             cmd += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
@@ -153,7 +157,7 @@ def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, agent_script: Path) -> l
             "--bind", str(dirs.agent), AGENT_DIR]
     for root in python_roots():
         cmd += ["--ro-bind", root, root]
-    cmd += ["--ro-bind", str(agent_script), AGENT_SCRIPT,
+    cmd += ["--ro-bind", str(guest_dir), GUEST_DIR,
             "--chdir", WORKSPACE, "--clearenv"]
     for key, value in sandbox_env(sandbox_id, python_bin).items():
         cmd += ["--setenv", key, value]

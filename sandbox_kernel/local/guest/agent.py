@@ -11,9 +11,13 @@ Protocol (unix socket, one request per connection): the engine sends one JSON li
     {"op": "exec", "cmd": str, "args": [str], "env": {str: str}}
     {"op": "write", "path": "/abs", "size": N}   followed by N raw bytes
     {"op": "read", "path": "/abs"}
+    {"op": "fork", "hostname": str, "disk_mib": N, "env": {str: str}}
 and gets back JSON lines. exec answers with CreateOS exec frames, one per line
 ({"stdout": s} / {"stderr": s} / {"error": s} / {"exit_code": n}); write answers
-{"ok": true, "bytes": N}; read answers {"ok": true, "size": N} then N raw bytes.
+{"ok": true, "bytes": N}; read answers {"ok": true, "size": N} then N raw bytes;
+fork answers {"ok": true, "pid": P, "followers": [pid, ...]}: P is the new sandbox's
+agent (a fresh agent.py in new namespaces, see nsfork.py), followers are the pids of
+the fork-aware processes (the runner) that forked themselves into it.
 Failures are {"ok": false, "code": "not_found" | "invalid" | "failed", "error": msg}.
 Closing the connection before an exec finishes kills that command's process group,
 as CreateOS does when a client abandons an exec.
@@ -29,9 +33,13 @@ import os
 import signal
 import stat
 import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script dir out
 
 CHUNK = 64 * 1024
 MAX_HEADER = 1 << 20
+FOLLOW_TIMEOUT = 60.0  # a fork-aware process has this long to fork itself into the new sandbox
 
 
 def frame(obj: dict) -> bytes:
@@ -51,7 +59,8 @@ def os_error_code(exc: OSError) -> str:
 
 
 class Agent:
-    def __init__(self, workdir: str) -> None:
+    def __init__(self, socket_path: str, workdir: str) -> None:
+        self.socket_path = socket_path
         self.workdir = workdir
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -67,6 +76,8 @@ class Agent:
                 await self.write_file(request, reader, writer)
             elif op == "read":
                 await self.read_file(request, writer)
+            elif op == "fork":
+                await self.fork(request, writer)
             else:
                 writer.write(failure("invalid", "unknown op %r" % (op,)))
             await writer.drain()
@@ -168,6 +179,79 @@ class Agent:
                 await writer.drain()
 
 
+    async def fork(self, request: dict, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        ready_read, ready_write = os.pipe()  # close-on-exec: EOF once the child execs
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_read)
+            self._become_fork(request, ready_write)  # never returns
+        os.close(ready_write)
+        threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True).start()  # reap it later
+        report = await loop.run_in_executor(None, read_to_end, ready_read)
+        if report:
+            writer.write(failure("failed", "fork: " + report))
+            return
+        followers = []
+        for registration in fork_aware_processes():
+            reply = await ask_to_follow(registration, pid, request.get("env") or {})
+            if reply.get("ok"):
+                followers.append(reply["child_pid"])
+            else:
+                writer.write(failure("failed", "fork: pid %s could not follow: %s"
+                                     % (registration.get("pid"), reply.get("error"))))
+                return
+        writer.write(frame({"ok": True, "pid": pid, "followers": followers}))
+
+    def _become_fork(self, request: dict, ready: int) -> None:
+        """In the forked child: set up the new sandbox, then exec a fresh agent in it."""
+        try:
+            from nsfork import become_sandbox
+
+            become_sandbox(str(request.get("hostname") or "sandbox"), int(request["disk_mib"]),
+                           os.path.dirname(self.socket_path), self.workdir)
+            os.environ.update(request.get("env") or {})
+            os.execv(sys.executable, [sys.executable, "-I", "-S", os.path.abspath(__file__),
+                                      self.socket_path, self.workdir])
+        except BaseException as exc:  # report, never fall back into the parent's event loop
+            os.write(ready, ("%s: %s" % (type(exc).__name__, exc)).encode()[:4000])
+        finally:
+            os._exit(1)
+
+
+def read_to_end(fd: int) -> str:
+    with os.fdopen(fd, "rb") as pipe:
+        return pipe.read().decode(errors="replace").strip()
+
+
+def fork_aware_processes() -> list:
+    """Processes that registered to follow a fork (the runner does, see runner.py)."""
+    directory = os.environ.get("SANDBOX_FORKABLE_DIR")
+    found = []
+    for name in sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []:
+        try:
+            with open(os.path.join(directory, name)) as entry:
+                registration = json.load(entry)
+            os.kill(int(registration["pid"]), 0)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # stale or garbage: its process is gone
+        found.append(registration)
+    return found
+
+
+async def ask_to_follow(registration: dict, join_pid: int, env: dict) -> dict:
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_unix_connection(str(registration["socket"])), 5)
+        writer.write(frame({"op": "fork", "join_pid": join_pid, "env": env}))
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), FOLLOW_TIMEOUT)
+        writer.close()
+        return json.loads(line) if line else {"ok": False, "error": "no answer"}
+    except (OSError, ValueError, asyncio.TimeoutError) as exc:
+        return {"ok": False, "error": str(exc) or type(exc).__name__}
+
+
 def exit_status(returncode: int) -> int:
     """Shell convention: a command killed by signal N exits 128+N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -183,7 +267,10 @@ def kill_group(pid: int) -> None:
 async def serve(socket_path: str, workdir: str) -> None:
     if os.path.exists(socket_path):
         os.unlink(socket_path)
-    agent = Agent(workdir)
+    agent = Agent(socket_path, workdir)
+    forkable = os.environ.get("SANDBOX_FORKABLE_DIR")
+    if forkable:
+        os.makedirs(forkable, mode=0o700, exist_ok=True)
     server = await asyncio.start_unix_server(agent.handle, path=socket_path, limit=MAX_HEADER)
     os.chmod(socket_path, 0o600)
     stop = asyncio.get_running_loop().create_future()

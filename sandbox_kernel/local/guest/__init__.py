@@ -1,0 +1,1 @@
+"""Programs that run inside local sandboxes (stdlib only); mounted read-only at /opt/sandbox-kernel."""
