@@ -355,13 +355,13 @@ def test_parse_retry_after() -> None:
             400,
             {"status": "fail", "data": {"shape": "unknown shape"}},
             BadRequestError,
-            "CreateOS rejected the request (400): shape: unknown shape",
+            "request rejected (400): shape: unknown shape",
         ),
         (
             422,
             {"status": "fail", "data": {"auto_pause_after_seconds": "must be 60..86400"}},
             BadRequestError,
-            "CreateOS rejected the request (422): auto_pause_after_seconds: must be 60..86400",
+            "request rejected (422): auto_pause_after_seconds: must be 60..86400",
         ),
         (
             401,
@@ -391,7 +391,7 @@ def test_parse_retry_after() -> None:
             409,
             {"status": "fail", "data": {"code": "conflict_x", "sandbox": "not paused"}},
             ConflictError,
-            "CreateOS refused: the sandbox is not in a state that allows this (409): code: conflict_x; sandbox: not paused",
+            "not possible in the sandbox's current state (409): code: conflict_x; sandbox: not paused",
         ),
         (
             500,
@@ -975,3 +975,14 @@ async def test_unix_socket_transport(tmp_path) -> None:
         server.close()
         await server.wait_closed()
     assert seen[0].startswith(b"GET /healthz HTTP/1.1")
+
+
+def test_fail_data_with_a_message_shows_that_sentence() -> None:
+    """The local engine (and CreateOS validation) send {"message": ..., "code": ...} in fail data."""
+    response = httpx.Response(
+        409, json={"status": "fail", "data": {"message": "only a paused sandbox can be forked", "code": "invalid_state"}},
+        request=httpx.Request("POST", "http://engine/v1/sandboxes/sb_1/fork"))
+    err = envelope.error_from_response(response, method="POST", path="/v1/sandboxes/sb_1/fork")
+    assert isinstance(err, ConflictError)
+    assert (err.message, err.code) == ("only a paused sandbox can be forked", "invalid_state")
+    assert err.user_message() == "not possible in the sandbox's current state (409): only a paused sandbox can be forked"

@@ -133,6 +133,8 @@ def protocol_error(
 
 
 def _render_data(data: Any) -> str:
+    if isinstance(data, dict) and isinstance(data.get("message"), str):
+        return data["message"]  # the server's own sentence; a machine "code" is kept apart
     if isinstance(data, dict):
         parts = []
         for key in sorted(data, key=str):

@@ -151,7 +151,7 @@ class SandboxAPIError(Exception):
     def user_message(self) -> str:
         """One clear line for a notebook user (no traceback, no secrets)."""
         status = self.status_code if self.status_code is not None else "?"
-        return _one_line(f"CreateOS request failed ({status}){self._suffix()}")
+        return _one_line(f"sandbox request failed ({status}){self._suffix()}")
 
 
 def _rebuild(cls, message, status_code, method, path, code, request_id):
@@ -177,7 +177,7 @@ class BadRequestError(SandboxAPIError):
     default_status = 400
 
     def user_message(self) -> str:
-        return _one_line(f"CreateOS rejected the request ({self.status_code}){self._suffix()}")
+        return _one_line(f"request rejected ({self.status_code}){self._suffix()}")
 
 
 class AuthenticationError(SandboxAPIError):
@@ -234,7 +234,7 @@ class ConflictError(SandboxAPIError):
     default_status = 409
 
     def user_message(self) -> str:
-        return _one_line(f"CreateOS refused: the sandbox is not in a state that allows this (409){self._suffix()}")
+        return _one_line(f"not possible in the sandbox's current state (409){self._suffix()}")
 
 
 class RateLimitError(SandboxAPIError):
