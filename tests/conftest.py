@@ -11,13 +11,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from sandbox_kernel.local.service import EngineEndpoint, read_endpoint
+from engine_helpers import running_engine
+from sandbox_kernel.local.service import EngineEndpoint
 
 KERNEL_NAME = "sandbox-test"
 
@@ -34,24 +34,8 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def engine(state_dir: Path) -> Iterator[EngineEndpoint]:
     """A local engine serving both loopback TCP and a unix socket."""
-    log = open(state_dir / "engine.log", "ab")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(state_dir)],
-        stdout=log, stderr=log, start_new_session=True)
-    deadline = time.monotonic() + 30
-    endpoint = None
-    while endpoint is None and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.05)
-        endpoint = read_endpoint(state_dir)
-    if endpoint is None:
-        process.kill()
-        pytest.fail("local engine did not start: " + (state_dir / "engine.log").read_text()[-2000:])
-    yield endpoint
-    process.terminate()
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    with running_engine(state_dir) as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="session")

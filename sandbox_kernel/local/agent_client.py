@@ -67,6 +67,14 @@ class AgentClient:
             await self._send(writer, {"op": "ping"})
             return await self._reply(reader)
 
+    async def fork(self, hostname: str, disk_mib: int, env: dict[str, str]) -> dict:
+        """Make a new sandbox from this one: {"pid": its agent, "followers": [runner, ...]}
+        (pids as seen inside the sandboxes' shared pid namespace)."""
+        async with self._connect() as (reader, writer):
+            await self._send(writer, {"op": "fork", "hostname": hostname, "disk_mib": disk_mib,
+                                      "env": env})
+            return await self._reply(reader)
+
     async def exec(self, cmd: str, args: list[str], env: dict[str, str]) -> AsyncIterator[dict]:
         """Yield the command's CreateOS exec frames; closing the generator kills the command."""
         async with self._connect() as (reader, writer):

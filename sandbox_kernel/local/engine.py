@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..api.models import (
     CreateSandboxRequest,
+    ForkSandboxRequest,
     PatchSandboxRequest,
     RootfsCatalog,
     RootfsEntry,
@@ -31,7 +32,7 @@ from ..api.models import (
     Shape,
 )
 from .agent_client import AgentClient, AgentError, AgentUnavailable
-from .bwrap import SandboxDirs, bwrap_arguments, find_bwrap, launch_command
+from .bwrap import AGENT_DIR, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
 from .freezer import Freezer, Handle, SignalFreezer, select as select_freezer
 
 log = logging.getLogger("sandbox_kernel.engine")
@@ -96,6 +97,51 @@ def new_sandbox_id() -> str:
 
 
 @dataclass
+class Family:
+    """One bwrap container and every sandbox forked from the one it was made for.
+
+    Forks live in the container's pid namespace (a process cannot leave its pid
+    namespace), so the container lives until its last member is destroyed: a destroyed
+    member's agent stays on as the namespace's keeper while relatives remain.
+    """
+
+    process: asyncio.subprocess.Process
+    founder: str  # the sandbox bwrap was started for; its agent holds the namespace
+    members: set[str] = field(default_factory=set)  # ids of its sandboxes not yet destroyed
+    # Host pids that hold the pid namespace: bwrap, its init and the command init runs
+    # (the founder's agent). Noted once the agent answers, before any user process exists
+    # (later, orphans of the sandbox also become init's children).
+    keepers: set[int] = field(default_factory=set)
+
+    def note_keepers(self) -> None:
+        init = child_pids(self.process.pid)
+        self.keepers = {self.process.pid, *init, *(p for i in init for p in child_pids(i))}
+
+    def host_pid(self, ns_pid: int) -> int:
+        """The host pid of the family process known inside as ns_pid."""
+        init = child_pids(self.process.pid)
+        namespace = os.readlink(f"/proc/{init[0]}/ns/pid")
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                if os.readlink(f"{entry.path}/ns/pid") != namespace:
+                    continue
+                for line in open(f"{entry.path}/status"):
+                    if line.startswith("NSpid:") and line.split()[-1] == str(ns_pid):
+                        return int(entry.name)
+        raise LookupError(f"no process {ns_pid} in the sandbox's pid namespace")
+
+
+def child_pids(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            return [int(p) for p in children.read().split()]
+    except OSError:
+        return []
+
+
+@dataclass
 class LocalSandbox:
     id: str
     name: str
@@ -111,7 +157,11 @@ class LocalSandbox:
     spawn_ms: int | None = None
     paused_at: float | None = None
     last_resumed_at: float | None = None
-    process: asyncio.subprocess.Process | None = None
+    family: Family | None = None
+    forked_from: str | None = None
+    # Where the engine reaches the agent: the host dir bound at AGENT_DIR for the first
+    # sandbox of a family, /proc/<agent>/root/... for a fork (its root exists only inside).
+    agent_dir: Path | None = None
     # Pausing: which freezer holds this sandbox's processes, and the pause/resume in flight.
     freezer: Freezer | None = None
     frozen: Handle | None = None
@@ -122,7 +172,7 @@ class LocalSandbox:
 
     @property
     def agent(self) -> AgentClient:
-        return AgentClient(self.dirs.agent)
+        return AgentClient(self.agent_dir or self.dirs.agent)
 
     def view(self) -> SandboxView:
         return SandboxView(
@@ -133,6 +183,7 @@ class LocalSandbox:
             destroyed_at=rfc3339(self.destroyed_at) if self.destroyed_at else None,
             ingress_enabled=False, spawn_ms=self.spawn_ms, egress=list(self.egress),
             envs=sorted(self.envs), auto_pause_after_seconds=self.auto_pause_after_seconds,
+            forked_from=self.forked_from,
             paused_at=rfc3339(self.paused_at) if self.paused_at else None,
             last_resumed_at=rfc3339(self.last_resumed_at) if self.last_resumed_at else None)
 
@@ -218,26 +269,28 @@ class Engine:
         log_file = open(sandbox.dirs.root / "bwrap.log", "ab")
         try:
             with log_file:
-                sandbox.process = await asyncio.create_subprocess_exec(
+                process = await asyncio.create_subprocess_exec(
                     *launch_command(self.bwrap, args_read), pass_fds=(args_read,),
                     stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
         finally:
             os.close(args_read)
+        sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id})
         # bwrap is blocked reading its options: put it into the sandbox's cgroup now, so
         # every process the sandbox ever creates starts inside it.
-        self._attach(sandbox, sandbox.process.pid)
+        self._attach(sandbox, process.pid)
         with os.fdopen(args_write, "wb") as pipe:  # a few KiB: fits the pipe buffer
             pipe.write(arguments.encode())
         await self._wait_for_agent(sandbox)
+        sandbox.family.note_keepers()
         sandbox.spawn_ms = int((time.monotonic() - started) * 1000)
         sandbox.running_at = time.time()
         sandbox.status = SandboxStatus.RUNNING
-        asyncio.get_running_loop().create_task(self._watch(sandbox))
+        asyncio.get_running_loop().create_task(self._watch(sandbox.family))
         log.info("sandbox %s running (%d ms)", sandbox.id, sandbox.spawn_ms)
 
-    def _attach(self, sandbox: LocalSandbox, pid: int) -> None:
+    def _attach(self, sandbox: LocalSandbox, pid: int, *more: int) -> None:
         try:
-            sandbox.frozen = self.freezer.attach(sandbox.id, pid)
+            sandbox.frozen = self.freezer.attach(sandbox.id, pid, *more)
             sandbox.freezer = self.freezer
         except Exception as exc:  # noqa: BLE001 - e.g. cgroup limit hit: still pausable by signals
             log.warning("sandbox %s: %s failed (%s); it will pause by SIGSTOP",
@@ -245,14 +298,15 @@ class Engine:
             if not isinstance(self._fallback, SignalFreezer):
                 self._fallback = SignalFreezer()
             sandbox.freezer = self._fallback
-            sandbox.frozen = sandbox.freezer.attach(sandbox.id, pid)
+            sandbox.frozen = sandbox.freezer.attach(sandbox.id, pid, *more)
 
     async def _wait_for_agent(self, sandbox: LocalSandbox) -> None:
         deadline = time.monotonic() + AGENT_START_TIMEOUT
-        assert sandbox.process is not None
+        assert sandbox.family is not None
         while time.monotonic() < deadline:
-            if sandbox.process.returncode is not None:
-                detail = (sandbox.dirs.root / "bwrap.log").read_text(errors="replace").strip()
+            if sandbox.family.process.returncode is not None:
+                log_path = sandbox.dirs.root / "bwrap.log"
+                detail = log_path.read_text(errors="replace").strip() if log_path.exists() else ""
                 raise SandboxStartFailed(f"sandbox failed to start: {detail[-500:] or 'bwrap exited'}")
             with contextlib.suppress(AgentUnavailable, FileNotFoundError):
                 await sandbox.agent.ping()
@@ -260,13 +314,15 @@ class Engine:
             await asyncio.sleep(0.01)
         raise SandboxStartFailed(f"sandbox agent did not answer within {AGENT_START_TIMEOUT:.0f} s")
 
-    async def _watch(self, sandbox: LocalSandbox) -> None:
-        """Mark a sandbox whose agent died on its own as `error` (it can still be destroyed)."""
-        assert sandbox.process is not None
-        await sandbox.process.wait()
-        if sandbox.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED, *TRANSITIONAL):
-            log.warning("sandbox %s exited unexpectedly", sandbox.id)
-            sandbox.status = SandboxStatus.ERROR
+    async def _watch(self, family: Family) -> None:
+        """Mark the sandboxes of a container that died on its own as `error` (they can
+        still be destroyed)."""
+        await family.process.wait()
+        for sandbox_id in list(family.members):
+            sandbox = self.sandboxes.get(sandbox_id)
+            if sandbox and sandbox.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED, *TRANSITIONAL):
+                log.warning("sandbox %s exited unexpectedly", sandbox.id)
+                sandbox.status = SandboxStatus.ERROR
 
     async def destroy(self, sandbox_id: str) -> LocalSandbox:
         sandbox = self.get(sandbox_id)
@@ -287,14 +343,22 @@ class Engine:
         return sandbox
 
     async def _stop(self, sandbox: LocalSandbox) -> None:
-        # Killing bwrap kills the sandbox's init (--die-with-parent), and with it the
-        # whole pid namespace: nothing of the sandbox outlives this. The freezer first
-        # kills whatever it holds and thaws it: a frozen process only dies once thawed.
+        # The freezer kills whatever it holds and thaws it (a frozen process only dies
+        # once thawed). Killing bwrap kills its init (--die-with-parent), and with it the
+        # whole pid namespace: that happens with the family's last sandbox. Before that,
+        # the founder's agent, bwrap and its init stay, as the keepers of the namespace
+        # its forks live in.
+        family = sandbox.family
+        if family:
+            family.members.discard(sandbox.id)
+        last = family is None or not family.members
         if sandbox.freezer and sandbox.frozen:
+            if family and not last and sandbox.id == family.founder:
+                sandbox.freezer.detach(sandbox.frozen, family.keepers)
             await asyncio.to_thread(sandbox.freezer.kill, sandbox.frozen)
-        if sandbox.process and sandbox.process.returncode is None:
-            sandbox.process.kill()
-            await sandbox.process.wait()
+        if last and family and family.process.returncode is None:
+            family.process.kill()
+            await family.process.wait()
         if sandbox.freezer and sandbox.frozen:
             await asyncio.to_thread(sandbox.freezer.release, sandbox.frozen)
             sandbox.frozen = None
@@ -339,6 +403,62 @@ class Engine:
                            code="invalid_state")
         self._begin(sandbox, SandboxStatus.RESUMING, self._thaw(sandbox))
         return sandbox
+
+    def fork(self, source_id: str, request: ForkSandboxRequest) -> LocalSandbox:
+        """Start a fork (answer the child in `forking`, like CreateOS); a task makes it."""
+        source = self.get(source_id)
+        if source.status != SandboxStatus.PAUSED or (source.transition and not source.transition.done()):
+            raise Conflict(f"sandbox is {source.status.value}: only a paused sandbox can be forked",
+                           code="invalid_state")
+        if request.ingress_enabled:
+            raise InvalidRequest("ingress is not supported by the local engine", code="ingress_unsupported")
+        child_id = new_sandbox_id()
+        child = LocalSandbox(
+            id=child_id, name=self._free_name(), shape=source.shape,
+            dirs=SandboxDirs(self.sandbox_root / child_id),
+            envs=dict(source.envs if request.envs is None else request.envs),
+            egress=list(source.egress if request.egress is None else request.egress),
+            auto_pause_after_seconds=source.auto_pause_after_seconds,
+            family=source.family, forked_from=source.id)
+        assert source.family is not None
+        source.family.members.add(child.id)
+        self.sandboxes[child.id] = child
+        self._begin(child, SandboxStatus.FORKING, self._fork(source, child, bool(request.start_paused)))
+        source.transition = child.transition  # the source is busy until the fork is done
+        return child
+
+    async def _fork(self, source: LocalSandbox, child: LocalSandbox, start_paused: bool) -> None:
+        """Copy the paused source into the child: its agent forks a process that becomes
+        the child sandbox (new namespaces, copied files; see guest/nsfork.py), and the
+        runner forks itself into it, live Python state and all. The source is thawed
+        for the few milliseconds this takes, then paused again."""
+        assert source.freezer and source.frozen and source.family
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(source.freezer.thaw, source.frozen)
+            try:
+                reply = await source.agent.fork(hostname="sandbox",
+                                                disk_mib=child.shape.default_disk_mib,
+                                                env={"SANDBOX_ID": child.id})
+                agent_pid = source.family.host_pid(reply["pid"])
+                followers = [source.family.host_pid(pid) for pid in reply["followers"]]
+                self._attach(child, agent_pid, *followers)
+            finally:
+                await asyncio.to_thread(source.freezer.freeze, source.frozen)
+            child.agent_dir = Path(f"/proc/{agent_pid}/root") / AGENT_DIR.lstrip("/")
+            await self._wait_for_agent(child)
+            if start_paused:
+                await asyncio.to_thread(child.freezer.freeze, child.frozen)
+                child.paused_at = time.time()
+        except Exception as exc:  # noqa: BLE001 - reported as the child's state
+            log.warning("fork of %s failed: %s", source.id, exc)
+            child.status = SandboxStatus.FAILED
+            await self._stop(child)
+            return
+        child.spawn_ms = int((time.monotonic() - started) * 1000)
+        child.running_at = time.time()
+        child.status = SandboxStatus.PAUSED if start_paused else SandboxStatus.RUNNING
+        log.info("sandbox %s forked from %s (%d ms)", child.id, source.id, child.spawn_ms)
 
     def patch(self, sandbox_id: str, request: PatchSandboxRequest) -> LocalSandbox:
         sandbox = self.get(sandbox_id)

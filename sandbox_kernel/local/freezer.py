@@ -50,6 +50,7 @@ class Handle:
     cgroup: Path | None = None
     more: tuple[int, ...] = ()  # further roots (e.g. the processes of a fork)
     stopped: set[int] = field(default_factory=set)
+    spared: set[int] = field(default_factory=set)  # detached: no longer this sandbox's
 
 
 class Freezer:
@@ -74,6 +75,12 @@ class Freezer:
 
     def kill(self, handle: Handle) -> None:
         """SIGKILL every process of the sandbox and make sure a frozen one can die."""
+        raise NotImplementedError
+
+    def detach(self, handle: Handle, pids: set[int]) -> None:
+        """Take these processes (not their children) out of the sandbox: kill and freeze
+        spare them. A destroyed sandbox's agent lives on this way while its forks need
+        the pid namespace it holds."""
         raise NotImplementedError
 
     def release(self, handle: Handle) -> None:
@@ -125,12 +132,16 @@ def _remove(cgroup: Path, procs: list[int] | None = None) -> None:
 def _new_cgroup(cgroup: Path, pids: tuple[int, ...]) -> Path:
     cgroup.mkdir()
     try:
-        for pid in pids:  # moves the process (all its threads); its future children follow
-            _write(cgroup / "cgroup.procs", str(pid))
+        _move(cgroup, pids)
     except OSError:
         _remove(cgroup)
         raise
     return cgroup
+
+
+def _move(cgroup: Path, pids: "tuple[int, ...] | set[int]") -> None:
+    for pid in pids:  # moves the process (all its threads); its future children follow
+        _write(cgroup / "cgroup.procs", str(pid))
 
 
 def _probe(freezer: Freezer) -> None:
@@ -196,6 +207,9 @@ class CgroupV2Freezer(Freezer):
         self.parent.mkdir(exist_ok=True)
         return Handle(sandbox_id, pid, _new_cgroup(self.parent / sandbox_id, (pid, *more)), more)
 
+    def detach(self, handle: Handle, pids: set[int]) -> None:
+        _move(self.parent, pids)
+
     def freeze(self, handle: Handle) -> None:
         assert handle.cgroup is not None
         _write(handle.cgroup / "cgroup.freeze", "1")
@@ -244,6 +258,9 @@ class CgroupV1Freezer(Freezer):
             raise FreezerError("no cgroup v1 freezer hierarchy mounted")
         self.parent.mkdir(exist_ok=True)
         return Handle(sandbox_id, pid, _new_cgroup(self.parent / sandbox_id, (pid, *more)), more)
+
+    def detach(self, handle: Handle, pids: set[int]) -> None:
+        _move(self.parent, pids)
 
     def freeze(self, handle: Handle) -> None:
         assert handle.cgroup is not None
@@ -332,7 +349,10 @@ class SignalFreezer(Freezer):
     def _tree(self, handle: Handle, table: dict[int, tuple[int, str]] | None = None) -> set[int]:
         others = frozenset(p for h in self.handles.values() if h is not handle
                            for p in (h.pid, *h.more))
-        return descendants((handle.pid, *handle.more), table, others)
+        return descendants((handle.pid, *handle.more), table, others) - handle.spared
+
+    def detach(self, handle: Handle, pids: set[int]) -> None:
+        handle.spared |= pids
 
     def freeze(self, handle: Handle) -> None:
         deadline = time.monotonic() + FREEZE_TIMEOUT

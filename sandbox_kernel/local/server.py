@@ -31,6 +31,7 @@ from ..api.models import (
     ExecResponse,
     ExecResult,
     FileUploadResponse,
+    ForkSandboxRequest,
     Health,
     PatchSandboxRequest,
     Readiness,
@@ -168,6 +169,11 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/resume")
     async def resume_sandbox(sandbox_id: str) -> JSONResponse:
         return jsend(engine.resume(sandbox_id).view())
+
+    # One child per call, answered in `forking`; the source must be paused and stays so.
+    @app.post("/v1/sandboxes/{sandbox_id}/fork")
+    async def fork_sandbox(sandbox_id: str, body: ForkSandboxRequest | None = None) -> JSONResponse:
+        return jsend(engine.fork(sandbox_id, body or ForkSandboxRequest()).view())
 
     # -- exec ----------------------------------------------------------------------------
 

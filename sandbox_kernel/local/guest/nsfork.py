@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import platform
 import shutil
+import socket
 import stat
+import struct
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -31,6 +34,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
 MS_REC, MS_PRIVATE, MS_RELATIME = 16384, 1 << 18, 1 << 21
 MNT_DETACH = 2
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 # statvfs f_flag bits -> the mount flags a remount must keep (locked flags cannot be dropped)
 KEPT_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
               (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME),
@@ -75,6 +79,14 @@ def _enter_namespaces() -> None:
     _write("/proc/self/gid_map", "%d %d 1\n" % (gid, gid))
     # Nothing mounted from here on may propagate back into the source sandbox.
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
+
+
+def _loopback_up() -> None:
+    """A new network namespace starts with `lo` down; bring it up, as bwrap does."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH14s", b"lo", 0, b"")
+        flags = struct.unpack("16sH14s", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | IFF_UP, b""))
 
 
 def _bind_read_only(source: str, target: str) -> None:
@@ -161,6 +173,7 @@ def _pivot(new_root: str) -> None:
 def become_sandbox(hostname: str, disk_mib: int, agent_dir: str, workdir: str) -> None:
     """Make the calling (single-threaded, freshly forked) process a new sandbox's first process."""
     _enter_namespaces()
+    _loopback_up()
     _mount("tmpfs", STAGING, "tmpfs", MS_NOSUID | MS_NODEV, "size=%dm,mode=755" % disk_mib)
     new_root = os.path.join(STAGING, "root")
     os.mkdir(new_root)

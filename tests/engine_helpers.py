@@ -1,0 +1,94 @@
+"""Helpers for tests that talk to real local engines: start one, find a sandbox's
+processes on the host, wait for a status."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandbox_kernel.api import SandboxClient, SandboxStatus
+from sandbox_kernel.local import freezer as freezers
+from sandbox_kernel.local.service import EngineEndpoint, read_endpoint
+
+
+@contextlib.contextmanager
+def running_engine(state: Path, **env: str) -> Iterator[EngineEndpoint]:
+    """`sandbox-kernel serve` in a subprocess with its own state dir (and extra env)."""
+    log = open(state / "engine.log", "ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(state)],
+        stdout=log, stderr=log, start_new_session=True, env={**os.environ, **env})
+    try:
+        deadline = time.monotonic() + 30
+        endpoint = None
+        while endpoint is None and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+            endpoint = read_endpoint(state)
+        if endpoint is None:
+            pytest.fail("local engine did not start: " + (state / "engine.log").read_text()[-2000:])
+        yield endpoint
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def sandbox_pids(sandbox_id: str, needle: bytes = b"") -> list[int]:
+    """Host pids of the sandbox's processes (each has SANDBOX_ID=<id> in its environment)."""
+    marker = f"SANDBOX_ID={sandbox_id}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = Path(entry.path, "environ").read_bytes()
+            cmdline = Path(entry.path, "cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0") and needle in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def cpu_ticks(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total
+
+
+async def wait_status(client: SandboxClient, sandbox_id: str, want: SandboxStatus,
+                      timeout: float = 15.0) -> tuple[list[SandboxStatus], object]:
+    """Poll GET until `want`; return every status seen on the way and the final view."""
+    seen: list[SandboxStatus] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        view = await client.get_sandbox(sandbox_id)
+        if not seen or seen[-1] != view.status:
+            seen.append(view.status)
+        if view.status == want:
+            return seen, view
+        assert time.monotonic() < deadline, f"never {want.value}: saw {[s.value for s in seen]}"
+        await asyncio.sleep(0.005)
+
+
+def freezer_available(name: str) -> str | None:
+    """None if this host can use the freezer, else why not."""
+    try:
+        freezers.select(name)
+    except freezers.FreezerError as exc:
+        return str(exc)
+    return None
