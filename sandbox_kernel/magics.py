@@ -27,6 +27,10 @@ HELP = """\
   %sandbox list                   every sandbox of this provider
   %sandbox pause                  freeze the sandbox (memory and files kept, compute stops)
   %sandbox resume                 continue a paused sandbox (running a cell also resumes it)
+  %sandbox fork [--name N] [--switch]
+                                  copy this sandbox, live Python state and files included, into
+                                  a new one (pausing it first); --switch makes this notebook
+                                  drive the copy; N names it for %sandbox attach
   %sandbox attach ID [--destroy-previous] [--fresh]
                                   drive sandbox ID from this notebook; the previous sandbox is
                                   kept unless --destroy-previous; --fresh starts a new Python
@@ -76,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     for name in ("status", "list", "pause", "resume", "help"):
         sub.add_parser(name, add_help=False)
+    fork = sub.add_parser("fork", add_help=False)
+    fork.add_argument("--name")
+    fork.add_argument("--switch", action="store_true")
     attach = sub.add_parser("attach", add_help=False)
     attach.add_argument("sandbox_id")
     attach.add_argument("--destroy-previous", action="store_true")
@@ -171,8 +178,25 @@ class SandboxMagics:
         await action(line)
         line.update(f"Sandbox {self.session.sandbox_id} {outcome} ({time.monotonic() - started:.1f} s)")
 
+    async def do_fork(self, args: argparse.Namespace) -> None:
+        started = time.monotonic()
+        parent = self.session.sandbox_id
+        line = self.out.progress(f"Forking sandbox {parent}…")
+        child = await self.session.fork(args.name, progress=line, on_pause=self.out.progress)
+        label = f" ({args.name})" if args.name else ""
+        line.update(f"Forked {parent} into {child.id}{label} in {time.monotonic() - started:.1f} s")
+        if args.switch:
+            await self.session.attach(child.id, progress=line)
+            self.out.text(f"This notebook now drives the fork {child.id}; the original {parent} stays "
+                          f"paused (%sandbox attach {parent} to go back)\n")
+        else:
+            self.out.text(f"{parent} stays paused until your next cell. Open the fork from another "
+                          f"notebook with `%sandbox attach {child.id}`, or start a kernel with "
+                          f"SANDBOX_KERNEL_SANDBOX_ID={child.id}\n")
+
     async def do_attach(self, args: argparse.Namespace) -> None:
         previous = self.session.sandbox_id
+        args.sandbox_id = self.session.fork_names.get(args.sandbox_id, args.sandbox_id)
         if args.sandbox_id == previous:
             raise MagicError(f"%sandbox attach: this notebook already drives {previous}")
         line = self.out.progress(f"Attaching to sandbox {args.sandbox_id}…")

@@ -23,6 +23,7 @@ from .api import (
     APITransportError,
     ConflictError,
     CreateSandboxRequest,
+    ForkSandboxRequest,
     ProtocolError,
     SandboxAPIError,
     SandboxClient,
@@ -69,6 +70,7 @@ class SandboxSession:
         self.boot_seconds: float | None = None
         # What shutdown does with the sandbox: destroy what we created, keep what we adopted.
         self.on_shutdown = "destroy"
+        self.fork_names: dict[str, str] = {}  # --name labels of the forks made here -> ids
 
     # -- start ----------------------------------------------------------------------------
 
@@ -165,24 +167,43 @@ class SandboxSession:
 
     async def pause(self, progress: Progress | None = None) -> SandboxView:
         client, sandbox_id = self._require()
-        ack = await client.pause_sandbox(sandbox_id)
-        return await self._settle(ack.status, SandboxStatus.PAUSED, progress)
+        await client.pause_sandbox(sandbox_id)
+        return await self._settle(sandbox_id, SandboxStatus.PAUSED, progress)
 
     async def resume(self, progress: Progress | None = None) -> SandboxView:
         client, sandbox_id = self._require()
-        ack = await client.resume_sandbox(sandbox_id)
-        return await self._settle(ack.status, SandboxStatus.RUNNING, progress)
+        await client.resume_sandbox(sandbox_id)
+        return await self._settle(sandbox_id, SandboxStatus.RUNNING, progress)
 
-    async def _settle(self, status: SandboxStatus, target: SandboxStatus,
+    async def fork(self, name: str | None = None, progress: Progress | None = None,
+                   on_pause: Progress | None = None) -> SandboxView:
+        """Fork this sandbox (live memory and files); return the running child.
+
+        CreateOS forks only paused sandboxes, so a running one is paused first
+        (on_pause hears about it). The parent stays paused; the next cell resumes it.
+        """
+        client, sandbox_id = self._require()
+        if (await self.view()).status != SandboxStatus.PAUSED:
+            if on_pause:
+                on_pause(f"Pausing sandbox {sandbox_id} first: only a paused sandbox can be forked")
+            await self.pause(progress)
+        child = await client.fork_sandbox(sandbox_id, ForkSandboxRequest())
+        view = await self._settle(child.id, SandboxStatus.RUNNING, progress)
+        if name:
+            self.fork_names[name] = view.id
+        return view
+
+    async def _settle(self, sandbox_id: str, target: SandboxStatus,
                       progress: Progress | None) -> SandboxView:
         """Poll until the sandbox reaches `target`, reporting progress; fail on a dead end."""
+        client = self._client()
         started = time.monotonic()
         delay = POLL_FIRST
         while True:
-            view = await self.view()
+            view = await client.get_sandbox(sandbox_id)
             if view.status == target:
                 return view
-            if view.status not in (SandboxStatus.PAUSING, SandboxStatus.RESUMING,
+            if view.status not in (SandboxStatus.PAUSING, SandboxStatus.RESUMING, SandboxStatus.FORKING,
                                    SandboxStatus.PAUSED, SandboxStatus.RUNNING):
                 raise SessionError(f"sandbox {view.id} is {view.status.value}")
             waited = time.monotonic() - started

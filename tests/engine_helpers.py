@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_kernel.api import SandboxClient, SandboxStatus
+from sandbox_kernel.api import NotFoundError, SandboxClient, SandboxStatus
 from sandbox_kernel.local import freezer as freezers
 from sandbox_kernel.local.service import EngineEndpoint, read_endpoint
 
@@ -92,3 +92,15 @@ def freezer_available(name: str) -> str | None:
     except freezers.FreezerError as exc:
         return str(exc)
     return None
+
+
+def sandbox_status(engine: EngineEndpoint, sandbox_id: str) -> SandboxStatus | None:
+    """The sandbox's status as the engine reports it now (None once forgotten), for sync tests."""
+    async def query() -> SandboxStatus | None:
+        async with SandboxClient(engine.url, engine.token) as client:
+            try:
+                return (await client.get_sandbox(sandbox_id)).status
+            except NotFoundError:
+                return None
+
+    return asyncio.run(query())

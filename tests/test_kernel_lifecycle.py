@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from jupyter_client.manager import start_new_kernel
 
+from engine_helpers import sandbox_status
 from kernel_helpers import TIMEOUT, execute
-from sandbox_kernel.api import NotFoundError, SandboxClient, SandboxStatus
+from sandbox_kernel.api import SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
-
-
-def sandbox_status(engine: EngineEndpoint, sandbox_id: str) -> SandboxStatus | None:
-    async def query() -> SandboxStatus | None:
-        async with SandboxClient(engine.url, engine.token) as client:
-            try:
-                return (await client.get_sandbox(sandbox_id)).status
-            except NotFoundError:
-                return None
-
-    return asyncio.run(query())
 
 
 def test_restart_is_a_fresh_runner_in_the_same_sandbox(kernelspec: str, engine: EngineEndpoint) -> None:

@@ -10,6 +10,7 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager, start_new_kernel
 
+from engine_helpers import sandbox_status
 from kernel_helpers import TIMEOUT, execute, is_status_line
 from sandbox_kernel.api import SandboxClient, SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
@@ -52,14 +53,6 @@ def test_timestamps_from_createos_and_the_local_engine() -> None:
 # -- in a notebook ------------------------------------------------------------------------
 
 pytest_slow = pytest.mark.slow
-
-
-def sandbox_status(engine: EngineEndpoint, sandbox_id: str) -> SandboxStatus:
-    async def query() -> SandboxStatus:
-        async with SandboxClient(engine.url, engine.token) as client:
-            return (await client.get_sandbox(sandbox_id)).status
-
-    return asyncio.run(query())
 
 
 def destroy(engine: EngineEndpoint, sandbox_id: str) -> None:
