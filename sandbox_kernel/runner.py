@@ -16,6 +16,14 @@ Client/daemon protocol: the client sends one JSON line ``{"op": ..., ...}``;
 the daemon answers with NDJSON lines (the events of a cell, or exactly one
 reply object) and closes the connection.
 
+Forking: the one-shot op ``{"op": "fork", "join_pid": N | null, "dir": str | null}``
+forks the daemon with os.fork(). The child carries the user's live interpreter
+state, joins the namespaces of process ``join_pid`` (a new sandbox prepared by
+someone else) and/or serves at ``dir``, and becomes an independent daemon; the
+parent answers ``{"ok": true, "child_pid": P}`` once the child is ready. With
+``SANDBOX_FORKABLE_DIR`` set, every daemon registers itself there as
+``<pid>.json`` so the sandbox's agent can ask it to fork along (see Daemon._fork).
+
 Clients start once per cell, so their start-up time is part of every cell's
 latency: only the few modules they need are imported at module level, the rest
 of the stdlib (and IPython) is imported by ``serve`` alone.
@@ -34,6 +42,12 @@ SOCKET_NAME = "runner.sock"
 READY_NAME = "ready"
 JOURNAL_DIR_NAME = "cells"
 NO_IPYTHON_ENV = "SANDBOX_KERNEL_RUNNER_NO_IPYTHON"
+FORKABLE_DIR_ENV = "SANDBOX_FORKABLE_DIR"
+LOG_NAME = "runner.log"  # where the kernel points the daemon's stdout/stderr (a forked child reopens it)
+FORK_READY_TIMEOUT = 30.0  # seconds a forked child has to report that it serves
+# Joined in this order: the user namespace first grants the capabilities for the others.
+FORK_NAMESPACES = ("user", "mnt", "uts", "ipc", "net")
+FORK_ERROR_MESSAGE = "this cell was running when the sandbox was forked; it continues only in the original sandbox"
 MAX_CELLS = 200  # beyond this many cells the oldest finished ones are forgotten
 CLIENT_COMMANDS = ("run", "attach", "request")
 USAGE = (
@@ -137,7 +151,7 @@ def _import_daemon_modules() -> None:
     """Import what only the daemon needs (see the module docstring for why)."""
     global ast, builtins, codecs, getpass, importlib, inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
-    global tokenize, traceback, types
+    global tokenize, traceback, types, warnings
     import ast
     import builtins
     import codecs
@@ -157,6 +171,7 @@ def _import_daemon_modules() -> None:
     import tokenize
     import traceback
     import types
+    import warnings
 
 
 def _json_default(value: object) -> object:
@@ -189,6 +204,8 @@ class Cell:
         # take numbers too); None lets the runner count.
         self.execution_count = execution_count
         self.journal_path = journal_path
+        self.started_count: int | None = None  # the count of its started event, once it runs
+        self.stored = False  # whether it takes an execution count (known once it runs)
         self.finished = False
         self._lines: list[bytes] = []
         self._changed = threading.Condition()
@@ -218,6 +235,34 @@ class Cell:
                 self._changed.wait(timeout)
             return self._lines[after:], self.finished
 
+    def hold(self) -> None:
+        self._changed.acquire()
+
+    def release(self) -> None:
+        self._changed.release()
+
+    def move_after_fork(self, journal_path: str) -> None:
+        """In a forked child: new condition (its lock may have been held by a dead
+        thread), and an unfinished cell journals to the child's own file from now on
+        (the inherited file object is the parent's file; its buffer is empty, since
+        emit flushes and the forking thread held the condition across the fork)."""
+        self._changed = threading.Condition()
+        if not self.finished:
+            self._journal.close()
+            self._journal = open(journal_path, "wb")
+            self._journal.write(b"".join(self._lines))
+            self._journal.flush()
+        self.journal_path = journal_path
+
+    def abort_after_fork(self) -> None:
+        """In a forked child: the cell did not come along, end it for its clients."""
+        self.emit("error", ename="ForkError", evalue=FORK_ERROR_MESSAGE, traceback=[])
+        done: dict = {"status": "error"}
+        if self.started_count is not None:
+            done["execution_count"] = self.started_count
+        self.emit("done", **done)
+        self.code = ""
+
 
 class FdCapture:
     """Points file descriptors 1 and 2 at pipes, so that what subprocesses,
@@ -229,8 +274,8 @@ class FdCapture:
     write, which keeps ``print`` and ``os.write(1, ...)`` in program order.
     """
 
-    def __init__(self) -> None:
-        self.log_fds = {"stdout": os.dup(1), "stderr": os.dup(2)}
+    def __init__(self, log_fds: dict | None = None) -> None:
+        self.log_fds = log_fds or {"stdout": os.dup(1), "stderr": os.dup(2)}
         self._pipes: dict[int, tuple[str, codecs.IncrementalDecoder]] = {}
         self._waiter = select.poll()  # used by the reader thread only (poll objects aren't thread-safe)
         self._checker = select.poll()  # used under the router's lock
@@ -243,6 +288,15 @@ class FdCapture:
             self._pipes[read_fd] = (name, codecs.getincrementaldecoder("utf-8")("replace"))
             self._waiter.register(read_fd, select.POLLIN)
             self._checker.register(read_fd, select.POLLIN)
+
+    def close_after_fork(self) -> None:
+        """In a forked child: drop the parent's pipes and log fds (never read them:
+        what is in the pipes belongs to the parent)."""
+        for fd in list(self._pipes) + list(self.log_fds.values()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def wait_readable(self) -> None:
         self._waiter.poll()
@@ -304,6 +358,26 @@ class OutputRouter:
     @property
     def current_cell(self) -> Cell | None:
         return self._cell
+
+    @property
+    def capture(self) -> FdCapture:
+        return self._capture
+
+    def hold(self) -> None:
+        """Taken across os.fork() so no other thread is half-way through a change."""
+        self._lock.acquire()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def reset_after_fork(self, capture: FdCapture) -> None:
+        """In a forked child: new lock and fd capture, same object, so whatever holds
+        this router (sys.stdout/stderr, the IPython shell's hooks, the input bridge,
+        the engine) emits through the child's machinery without being rebound.
+        Pending text stays: it belongs to the current cell."""
+        self._capture = capture
+        self._lock = threading.Lock()
+        self._has_pending = threading.Condition(self._lock)
 
     def begin(self, cell: Cell) -> None:
         with self._lock:
@@ -429,6 +503,11 @@ class InputBridge:
     def install(self) -> None:
         builtins.input = self.input
         getpass.getpass = self.getpass
+
+    def reset_after_fork(self) -> None:
+        # A pending question belonged to a cell that did not come along.
+        self._lock = threading.Lock()
+        self._pending = None
 
     # __tracebackhide__ keeps these frames out of IPython tracebacks: an error in
     # input() should point at the user's call, not at the runner.
@@ -556,6 +635,9 @@ class PlainEngine:
         self.execution_count = 1  # the count the next stored cell gets
         self._cells_run = 0
         builtins.display = self.display
+
+    def reset_after_fork(self) -> None:
+        pass
 
     def run(self, code: str, silent: bool, store_history: bool, count: int) -> bool:
         self._cells_run += 1
@@ -702,6 +784,13 @@ class IPythonEngine:
         self._count = 0
         self.shell = _build_ipython_shell(router.emit, lambda: self._count)
 
+    def reset_after_fork(self) -> None:
+        # The history manager's locks may have been held by the parent's main thread.
+        history = self.shell.history_manager
+        for name in ("db_input_cache_lock", "db_output_cache_lock"):
+            if hasattr(history, name):
+                setattr(history, name, threading.Lock())
+
     @property
     def execution_count(self) -> int:
         return self.shell.execution_count
@@ -810,15 +899,22 @@ class Daemon:
     (required for signal-based KeyboardInterrupt)."""
 
     def __init__(self, state_dir: str):
+        self._set_state_dir(state_dir)
+        self._cells: dict[str, Cell] = {}  # in submission order
+        self._queue: queue.Queue[Cell] = queue.Queue()
+        self._lock = threading.Lock()
+        self._fork_lock = threading.Lock()  # one fork at a time
+        self._running: Cell | None = None
+        self._main_thread = threading.get_ident()
+        self._server: socket.socket | None = None
+        self._connections: set = set()  # open client connections (a forked child closes its copies)
+        self._registration_path: str | None = None
+
+    def _set_state_dir(self, state_dir: str) -> None:
         self.state_dir = state_dir
         self.socket_path = os.path.join(state_dir, SOCKET_NAME)
         self.ready_path = os.path.join(state_dir, READY_NAME)
         self.journal_dir = os.path.join(state_dir, JOURNAL_DIR_NAME)
-        self._cells: dict[str, Cell] = {}  # in submission order
-        self._queue: queue.Queue[Cell] = queue.Queue()
-        self._lock = threading.Lock()
-        self._running: Cell | None = None
-        self._main_thread = threading.get_ident()
 
     def serve_forever(self) -> None:
         os.makedirs(self.journal_dir, mode=0o700, exist_ok=True)
@@ -834,9 +930,16 @@ class Daemon:
         # SIGINT is ignored between cells and a KeyboardInterrupt during them.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, lambda signum, frame: self._exit())
-        server = self._listen()
-        threading.Thread(target=self._accept_forever, args=(server,), name="accept", daemon=True).start()
+        self._start_serving()
+        self._main_loop()
+
+    def _start_serving(self) -> None:
+        self._server = self._listen()
+        threading.Thread(target=self._accept_forever, args=(self._server,), name="accept", daemon=True).start()
         self._write_ready()
+        self._register()
+
+    def _main_loop(self) -> None:
         while True:
             self._execute(self._queue.get())
 
@@ -876,13 +979,26 @@ class Daemon:
         return server
 
     def _write_ready(self) -> None:
-        temporary = self.ready_path + ".tmp"
-        with open(temporary, "w") as ready:
-            json.dump(self._info(), ready)
-        os.replace(temporary, self.ready_path)
+        _write_json_atomically(self.ready_path, self._info())
+
+    def _register(self) -> None:
+        """Tell the local engine's agent that this process can fork along with its sandbox."""
+        directory = os.environ.get(FORKABLE_DIR_ENV)
+        if not directory:
+            return
+        path = os.path.join(directory, "%d.json" % os.getpid())
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            _write_json_atomically(path, {"pid": os.getpid(), "socket": self.socket_path})
+        except OSError as exc:
+            self.router.log("could not register in %s=%s: %s\n" % (FORKABLE_DIR_ENV, directory, exc))
+            return
+        self._registration_path = path
 
     def _exit(self) -> None:
-        for path in (self.ready_path, self.socket_path):
+        for path in (self.ready_path, self.socket_path, self._registration_path):
+            if path is None:
+                continue
             try:
                 os.remove(path)
             except OSError:
@@ -900,6 +1016,7 @@ class Daemon:
         if stored and cell.execution_count is not None:
             self.engine.execution_count = cell.execution_count
         count = self.engine.execution_count if stored else self.engine.execution_count - 1
+        cell.started_count, cell.stored = count, stored
         self.router.begin(cell)
         ok = False
         try:
@@ -931,9 +1048,16 @@ class Daemon:
     def _accept_forever(self, server: socket.socket) -> None:
         while True:
             connection, _ = server.accept()
+            self._connections.add(connection)
             threading.Thread(target=self._serve_connection, args=(connection,), daemon=True).start()
 
     def _serve_connection(self, connection: socket.socket) -> None:
+        try:
+            self._serve_request(connection)
+        finally:
+            self._connections.discard(connection)
+
+    def _serve_request(self, connection: socket.socket) -> None:
         with connection:
             try:
                 with connection.makefile("rb") as reader:
@@ -1017,6 +1141,8 @@ class Daemon:
             return dict(self._info(), execution_count=self.engine.execution_count)
         if op == "shutdown":
             return {"ok": True}
+        if op == "fork":
+            return self._fork(request)
         raise ValueError("unknown op %r" % (op,))
 
     def _interrupt(self) -> str | None:
@@ -1026,6 +1152,315 @@ class Daemon:
                 # Delivered to the main thread so blocking calls (sleep, input) wake up too.
                 signal.pthread_kill(self._main_thread, signal.SIGINT)
         return running.cell_id if running is not None else None
+
+    # --- fork (socket thread in the parent; the child's only thread)
+
+    def _fork(self, request: dict) -> dict:
+        """Fork this daemon into a new sandbox; see the module docstring.
+
+        Allowed at any time (the engine pauses the sandbox mid-anything): a cell
+        that is running or queued stays with the parent; the child ends it with a
+        ForkError for its clients. Answers once the child serves, or failed.
+        """
+        join_pid = request.get("join_pid")
+        if join_pid is not None and (not isinstance(join_pid, int) or isinstance(join_pid, bool) or join_pid <= 0):
+            raise ValueError("join_pid must be a pid or null")
+        new_dir = request.get("dir")
+        if new_dir is not None and (not isinstance(new_dir, str) or not new_dir):
+            raise ValueError("dir must be a path or null")
+        if join_pid is None and new_dir is None:
+            raise ValueError("fork needs join_pid or dir: the child cannot serve at this daemon's DIR")
+        env = request.get("env") or {}  # what the local agent sends along for the new sandbox
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise ValueError("env must map strings to strings")
+        new_dir = os.path.abspath(new_dir) if new_dir is not None else None
+        with self._fork_lock:
+            read_fd, write_fd = os.pipe()
+            try:
+                pid = self._fork_consistently()
+            except BaseException:
+                os.close(read_fd)
+                os.close(write_fd)
+                raise
+            if pid == 0:
+                os.close(read_fd)
+                self._become_fork(write_fd, join_pid, new_dir, env)  # never returns
+            os.close(write_fd)
+            return self._await_fork(pid, read_fd)
+
+    def _fork_consistently(self) -> int:
+        """os.fork() holding the daemon's own locks, so that no other thread is
+        half-way through changing what they protect (the child replaces them all).
+        Order: the daemon's, the router's, then the cells' (as the other threads take them)."""
+        releases = []
+        try:
+            self._lock.acquire()
+            releases.append(self._lock.release)
+            self.router.hold()
+            releases.append(self.router.release)
+            for cell in [cell for cell in self._cells.values() if not cell.finished]:
+                cell.hold()
+                releases.append(cell.release)
+            with warnings.catch_warnings():
+                # 3.12+ warns that the process has threads: written to sys.stderr, that
+                # would need the router's lock, which this thread holds.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except BaseException:
+            for release in reversed(releases):
+                release()
+            raise
+        if pid != 0:
+            for release in reversed(releases):
+                release()
+        return pid
+
+    def _await_fork(self, pid: int, read_fd: int) -> dict:
+        """Parent: wait for the child's one-line report; never leave a half-born child."""
+        deadline = time.monotonic() + FORK_READY_TIMEOUT
+        poller = select.poll()
+        poller.register(read_fd, select.POLLIN)
+        data = b""
+        try:
+            while b"\n" not in data:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                if poller.poll(min(remaining, 1.0) * 1000):
+                    chunk = os.read(read_fd, 4096)
+                    if not chunk:
+                        break
+                    data += chunk
+        finally:
+            os.close(read_fd)
+        try:
+            report = json.loads(data.split(b"\n", 1)[0]) if b"\n" in data else None
+        except ValueError:
+            report = None
+        if isinstance(report, dict) and report.get("ok") is True:
+            threading.Thread(target=_reap, args=(pid,), name="reap-%d" % pid, daemon=True).start()
+            return {"ok": True, "child_pid": pid}
+        if isinstance(report, dict) and report.get("error"):
+            error = str(report["error"])
+        elif b"\n" not in data and time.monotonic() >= deadline:
+            error = "the forked child did not get ready within %gs" % FORK_READY_TIMEOUT
+        else:
+            error = "the forked child exited before it was ready"
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        _reap(pid)
+        return {"ok": False, "error": error}
+
+    def _become_fork(self, ready_fd: int, join_pid: int | None, new_dir: str | None, env: dict) -> None:
+        """Child: set up, report to the parent, then be the daemon. Never returns
+        (this thread's stack is the parent's socket handler's)."""
+        try:
+            try:
+                self._setup_fork(join_pid, new_dir, env)
+            except BaseException as exc:
+                _write_all(ready_fd, _encode_line({"ok": False, "error": "%s: %s" % (type(exc).__name__, exc)}))
+                os._exit(1)
+            _write_all(ready_fd, _encode_line({"ok": True}))
+            os.close(ready_fd)
+            self._main_loop()
+        except BaseException:
+            try:
+                self.router.log("the forked daemon failed:\n" + traceback.format_exc())
+            except BaseException:
+                pass
+        finally:
+            os._exit(1)
+
+    def _setup_fork(self, join_pid: int | None, new_dir: str | None, env: dict) -> None:
+        """Child: re-create everything tied to the parent's threads, locks and fds.
+
+        Single-threaded until the router's threads start (joining a user
+        namespace requires it). Python made this thread the main thread, which
+        gets the signals, so it runs the cells and is the interrupt target.
+        """
+        self._main_thread = threading.get_ident()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # between cells
+        for connection in list(self._connections):  # the parent's clients (and the fork request)
+            _close_socket(connection)
+        self._connections = set()
+        if self._server is not None:
+            _close_socket(self._server)
+            self._server = None
+        parent_dir = _stat_or_none(self.state_dir)
+        parent_registration = self._registration_path
+        registration_dir = _stat_or_none(os.path.dirname(parent_registration)) if parent_registration else None
+        self._registration_path = None
+
+        if join_pid is not None:
+            _join_namespaces(join_pid)
+            if hasattr(platform, "_uname_cache"):
+                platform._uname_cache = None  # the hostname may have changed
+        os.environ.update(env)
+        if new_dir is not None:
+            self._set_state_dir(new_dir)
+        if _same_file(parent_dir, _stat_or_none(self.state_dir)):
+            raise RuntimeError("%s is the original daemon's own directory here; fork with a dir" % self.state_dir)
+        # After joining: stale copies of the parent's files (the preparer copied them).
+        _remove_if_exists(self.socket_path)
+        _remove_if_exists(self.ready_path)
+        if parent_registration and not _same_file(registration_dir,
+                                                  _stat_or_none(os.path.dirname(parent_registration))):
+            _remove_if_exists(parent_registration)
+        os.makedirs(self.journal_dir, mode=0o700, exist_ok=True)
+        os.chmod(self.state_dir, 0o700)
+
+        # Output: fds 1 and 2 still point into the parent's pipes, the log fds at its log.
+        log_fd = os.open(os.path.join(self.state_dir, LOG_NAME), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.router.capture.close_after_fork()
+        self.router.reset_after_fork(FdCapture({"stdout": log_fd, "stderr": os.dup(log_fd)}))
+
+        # Cells: the running and queued ones stay with the parent; end them here.
+        running = self.router.current_cell
+        unfinished = []
+        for cell in self._cells.values():
+            cell.move_after_fork(os.path.join(self.journal_dir, cell.cell_id + ".ndjson"))
+            if not cell.finished:
+                unfinished.append(cell)
+        if running is not None:
+            self.router.end()  # its pending output goes in first
+        for cell in unfinished:
+            cell.abort_after_fork()
+            if cell.stored and cell.started_count is not None:  # its number was handed out
+                self.engine.execution_count = max(self.engine.execution_count, cell.started_count + 1)
+        self._queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._fork_lock = threading.Lock()
+        self._running = None
+        self.inputs.reset_after_fork()
+        self.engine.reset_after_fork()
+
+        self.router.start_threads()
+        self._start_serving()  # ready file and registration last: the child accepts by then
+
+
+def _open_regular_files() -> list:
+    """(fd, path, flags, offset) of every open regular file, read before leaving the
+    source sandbox's mount namespace."""
+    import stat
+
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            path = os.readlink("/proc/self/fd/%d" % fd)
+            if not stat.S_ISREG(os.fstat(fd).st_mode) or not path.startswith("/") or path.endswith(" (deleted)"):
+                continue
+            with open("/proc/self/fdinfo/%d" % fd) as info:
+                flags = next(int(line.split()[1], 8) for line in info if line.startswith("flags:"))
+            found.append((fd, path, flags, os.lseek(fd, 0, os.SEEK_CUR)))
+        except (OSError, StopIteration, ValueError):
+            continue
+    return found
+
+
+def _reopen_in_this_mount_namespace(open_files: list) -> None:
+    """Point inherited file descriptors at the new sandbox's copy of their file.
+
+    A descriptor names an inode, not a path: without this, a file object the user
+    opened before the fork would keep writing into the original sandbox's file. Files
+    both sandboxes share read-only (/usr, the Python environment) stay as they are.
+    """
+    for fd, path, flags, offset in open_files:
+        try:
+            fresh = os.open(path, flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC | os.O_CLOEXEC))
+        except OSError:
+            continue  # not in the copy (e.g. a deleted or unreachable file): keep the original
+        try:
+            if _same_file(os.fstat(fresh), os.fstat(fd)):
+                continue
+            os.lseek(fresh, offset, os.SEEK_SET)
+            os.dup2(fresh, fd, inheritable=not flags & os.O_CLOEXEC)
+        finally:
+            os.close(fresh)
+
+
+def _join_namespaces(pid: int) -> None:
+    """setns() into pid's namespaces (FORK_NAMESPACES order), skipping those we are in.
+
+    All are opened first: once in the new mount namespace, /proc may be another one.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)  # the interpreter's libc (os.setns is 3.12+)
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        cwd = "/"
+    targets = []
+    open_files = _open_regular_files()
+    try:
+        for name in FORK_NAMESPACES:
+            path = "/proc/%d/ns/%s" % (pid, name)
+            fd = os.open(path, os.O_RDONLY)
+            targets.append((name, fd))
+            if _same_file(os.fstat(fd), _stat_or_none("/proc/self/ns/" + name)):
+                targets[-1] = (name, -1)  # already there (joining one's own user namespace fails)
+                os.close(fd)
+        for name, fd in targets:
+            if fd < 0:
+                continue
+            if libc.setns(fd, 0) != 0:
+                error = ctypes.get_errno()
+                raise OSError(error, "setns to the %s namespace of pid %d: %s" % (name, pid, os.strerror(error)))
+            if name == "mnt":  # setns reset the root and cwd
+                try:
+                    os.chdir(cwd)
+                except OSError:
+                    os.chdir("/")
+                _reopen_in_this_mount_namespace(open_files)
+    finally:
+        for _, fd in targets:
+            if fd >= 0:
+                os.close(fd)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def _close_socket(sock: socket.socket) -> None:
+    """Close our fd of a socket whatever its state (a makefile may still refer to it)."""
+    try:
+        fd = sock.detach()
+        if fd >= 0:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _stat_or_none(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+def _same_file(first: os.stat_result | None, second: os.stat_result | None) -> bool:
+    return first is not None and second is not None and (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
+
+
+def _remove_if_exists(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_json_atomically(path: str, obj: dict) -> None:
+    temporary = "%s.%d.tmp" % (path, os.getpid())
+    with open(temporary, "w") as output:
+        json.dump(obj, output)
+    os.replace(temporary, path)
 
 
 def _checked_cell_id(cell_id: object) -> str:
