@@ -44,8 +44,9 @@ MAX_INLINE_CODE = 64 * 1024
 RUNNER_READY_TIMEOUT = 30.0
 RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
 
-# Polling a transition (pause, resume): CreateOS pauses can take minutes.
-POLL_FIRST, POLL_MAX, TRANSITION_BUDGET = 0.1, 2.0, 900.0
+# Polling a transition (pause, resume, fork): locally it takes milliseconds, on CreateOS
+# it can take minutes; doubling from 20 ms to 2 s serves both with few requests.
+POLL_FIRST, POLL_MAX, TRANSITION_BUDGET = 0.02, 2.0, 900.0
 
 EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
 Progress = Callable[[str], None]
@@ -213,7 +214,7 @@ class SandboxSession:
             if progress:
                 progress(f"({view.status.value}, {waited:.0f} s)")
             await asyncio.sleep(delay)
-            delay = min(delay * 1.5, POLL_MAX)
+            delay = min(delay * 2, POLL_MAX)
 
     # -- cells ----------------------------------------------------------------------------
 

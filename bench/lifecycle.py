@@ -1,0 +1,84 @@
+"""Pause, resume and fork timings of a sandbox whose runner holds ~200 MB of Python state.
+
+    python bench/lifecycle.py [--repeat N] [--mib M]
+
+Starts its own local engine (private state dir), creates a sandbox through the same
+session code the kernel uses, fills the runner with M MiB of live objects, then times
+each operation as a client sees it: from the API call until GET reports the target
+status (for fork: until the child is running and its runner answers). Prints median and
+p95 over N repeats. Not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+
+from sandbox_kernel.config import Settings
+from sandbox_kernel.session import SandboxSession
+
+
+def summary(name: str, seconds: list[float]) -> str:
+    ordered = sorted(seconds)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return f"{name:<8} median {statistics.median(ordered) * 1000:8.1f} ms   p95 {p95 * 1000:8.1f} ms   (n={len(ordered)})"
+
+
+async def fill(session: SandboxSession, mib: int) -> None:
+    code = (f"blocks = [bytearray(os.urandom(1024 * 1024)) for _ in range({mib})]\n"
+            "squares = {i: i * i for i in range(200_000)}")
+
+    async def ignore(event: dict) -> None:
+        if event["type"] == "error":
+            raise RuntimeError(event["evalue"])
+
+    await session.run_cell("setup-imports", "import os", ignore)
+    await session.run_cell("setup-fill", code, ignore)
+
+
+async def measure(repeat: int, mib: int) -> None:
+    session = SandboxSession(Settings(provider="local", engine_idle_timeout=30))
+    await session.start()
+    client, parent = session.client, session.sandbox_id
+    assert client is not None and parent is not None
+    try:
+        await fill(session, mib)
+        rss = (await client.exec(parent, "sh", ["-c", "ps -o rss= -C python3 | sort -n | tail -1"])).result.stdout
+        print(f"runner resident memory: {int(rss) // 1024} MiB")
+        pauses, resumes, forks = [], [], []
+        for _ in range(repeat):
+            started = time.perf_counter()
+            await session.pause()
+            pauses.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            child = await session.fork()
+            child_session = SandboxSession(session.settings)
+            child_session.client = client
+            await child_session.attach(child.id)  # proves the forked runner answers
+            forks.append(time.perf_counter() - started)
+            await client.delete_sandbox(child.id)
+            started = time.perf_counter()
+            await session.resume()
+            resumes.append(time.perf_counter() - started)
+        for name, values in (("pause", pauses), ("resume", resumes), ("fork", forks)):
+            print(summary(name, values))
+    finally:
+        await session.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--mib", type=int, default=200)
+    args = parser.parse_args()
+    os.environ.setdefault("SANDBOX_KERNEL_STATE_DIR", tempfile.mkdtemp(prefix="sk-bench-"))
+    print(f"state dir {os.environ['SANDBOX_KERNEL_STATE_DIR']}, {args.mib} MiB of state, {args.repeat} repeats")
+    asyncio.run(measure(args.repeat, args.mib))
+
+
+if __name__ == "__main__":
+    main()
