@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .api import SandboxClient
@@ -50,15 +50,19 @@ class Settings:
         transport = env.get("SANDBOX_KERNEL_ENGINE_TRANSPORT", "unix")
         if transport not in ("unix", "tcp"):
             raise ConfigError(f"SANDBOX_KERNEL_ENGINE_TRANSPORT must be 'unix' or 'tcp', not {transport!r}")
-        on_shutdown = env.get("SANDBOX_KERNEL_ON_SHUTDOWN") or None
-        if on_shutdown is not None and on_shutdown not in SHUTDOWN_POLICIES:
-            raise ConfigError("SANDBOX_KERNEL_ON_SHUTDOWN must be destroy, pause or keep, "
-                              f"not {on_shutdown!r}")
         return cls(provider=provider,
                    shape=env.get("SANDBOX_KERNEL_SHAPE") or DEFAULT_SHAPE,
                    base_url=env.get("CREATEOS_SANDBOX_BASE_URL") or DEFAULT_BASE_URL,
                    api_key=api_key, engine_transport=transport,
-                   attach_to=env.get("SANDBOX_KERNEL_SANDBOX_ID") or None, on_shutdown=on_shutdown)
+                   ).with_overrides(attach_to=env.get("SANDBOX_KERNEL_SANDBOX_ID") or None,
+                                    on_shutdown=env.get("SANDBOX_KERNEL_ON_SHUTDOWN") or None)
+
+    def with_overrides(self, attach_to: str | None, on_shutdown: str | None) -> Settings:
+        """These settings with the attach target and shutdown policy replaced where given."""
+        if on_shutdown is not None and on_shutdown not in SHUTDOWN_POLICIES:
+            raise ConfigError(f"the shutdown policy must be destroy, pause or keep, not {on_shutdown!r}")
+        return replace(self, attach_to=attach_to or self.attach_to,
+                       on_shutdown=on_shutdown or self.on_shutdown)
 
     @property
     def description(self) -> str:

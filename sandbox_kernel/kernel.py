@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ipykernel.kernelbase import Kernel
+from traitlets import Unicode
 
 from . import __version__
 from .api import SandboxAPIError
@@ -44,12 +45,20 @@ class SandboxKernel(Kernel):
     banner = "Python in a sandbox (sandbox-kernel)"
     help_links = [{"text": "sandbox-kernel", "url": "https://pypi.org/project/sandbox-kernel/"}]
 
+    # Kernel arguments (kernel.json argv), e.g. --SandboxKernel.sandbox_id=sb-...; they win
+    # over the matching environment variables.
+    sandbox_id = Unicode("", help="drive this existing sandbox (e.g. a fork) instead of creating one"
+                         ).tag(config=True)
+    on_shutdown = Unicode("", help="destroy, pause or keep the sandbox when the kernel shuts down"
+                          ).tag(config=True)
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.settings: Settings | None = None
         self.config_error: str | None = None
         try:
-            self.settings = Settings.from_env()
+            self.settings = Settings.from_env().with_overrides(
+                attach_to=self.sandbox_id or None, on_shutdown=self.on_shutdown or None)
         except ConfigError as exc:
             self.config_error = str(exc)
         # Not `self.session`: that name is jupyter_client's Session in ipykernel.

@@ -192,3 +192,17 @@ def test_start_attached_and_shutdown_policies(kernelspec: str, kc: BlockingKerne
     km3.shutdown_kernel()
     assert sandbox_status(engine, third_id) in (SandboxStatus.PAUSING, SandboxStatus.PAUSED)
     destroy(engine, third_id)
+
+
+@pytest_slow
+def test_start_attached_by_kernel_argument(kernelspec: str, kc: BlockingKernelClient, sandbox_id: str,
+                                           engine: EngineEndpoint) -> None:
+    execute(kc, "argument_marker = 'seen'")
+    km2, kc2 = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT,
+                                extra_arguments=[f"--SandboxKernel.sandbox_id={sandbox_id}"])
+    try:
+        assert execute(kc2, "print(argument_marker)").text() == "seen\n"
+    finally:
+        kc2.stop_channels()
+        km2.shutdown_kernel()
+    assert sandbox_status(engine, sandbox_id) == SandboxStatus.RUNNING
