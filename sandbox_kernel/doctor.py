@@ -20,6 +20,8 @@ def cgroup_version() -> str:
     if Path("/sys/fs/cgroup/cgroup.controllers").exists():
         return "v2 (unified)"
     if Path("/sys/fs/cgroup/memory").is_dir() or Path("/sys/fs/cgroup/freezer").is_dir():
+        if Path("/sys/fs/cgroup/unified/cgroup.controllers").exists():
+            return "v1, with a v2 hierarchy at /sys/fs/cgroup/unified (hybrid)"
         return "v1"
     return "none mounted"
 
@@ -37,6 +39,18 @@ def probe_bwrap(bwrap: str) -> tuple[bool, str]:
     if result.returncode == 0:
         return True, "ok"
     return False, (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
+
+
+def fork_line() -> str:
+    """Fork needs nested user namespaces inside a sandbox (see local/guest/nsfork.py)."""
+    try:
+        limit = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+    except (OSError, ValueError):
+        limit = -1
+    if limit == 0:
+        return "✗ fork: user namespaces are disabled (user.max_user_namespaces = 0)"
+    return ("✓ fork: os.fork of the runner into fresh user, mount, network, uts and ipc namespaces "
+            "with a copy of /workspace and /tmp; forks share their source's pid namespace")
 
 
 def pause_line() -> str:
@@ -93,6 +107,7 @@ def report() -> tuple[bool, list[str]]:
                      "(sysctl kernel.unprivileged_userns_clone=1, or user.max_user_namespaces > 0)")
     lines.append(f"  cgroups: {cgroup_version()}, running as uid {os.getuid()}")
     lines.append("  " + pause_line())
+    lines.append("  " + fork_line())
     lines.append("  ✗ limits: the shape's memory, CPU, process and disk limits are NOT enforced yet "
                  "on the local engine (planned); use CreateOS for hard limits")
 
