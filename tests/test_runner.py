@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -311,8 +310,8 @@ def read_until(proc: subprocess.Popen, type_: str) -> list[dict]:
             return events
 
 
-@pytest.mark.parametrize("code", ["while True: pass", "import time\ntime.sleep(100)"])
-def test_interrupt(daemon, code):
+def assert_interrupt_stops(daemon, code):
+    """Run code, interrupt it once it printed, check it stopped within 2 s; return its events."""
     cell_id = new_cell_id()
     client = daemon.popen("run", {"cell_id": cell_id, "code": "print('go', flush=True)\n" + code,
                                   "silent": False, "store_history": True})
@@ -322,8 +321,14 @@ def test_interrupt(daemon, code):
     rest = read_until(client, "done")
     assert time.monotonic() - started < 2
     assert client.wait(5) == 0
-    assert rest[-1]["status"] == "error"
     assert of_type(rest, "error")[0]["ename"] == "KeyboardInterrupt"
+    return rest
+
+
+@pytest.mark.parametrize("code", ["while True: pass", "import time\ntime.sleep(100)"])
+def test_interrupt(daemon, code):
+    rest = assert_interrupt_stops(daemon, code)
+    assert rest[-1]["status"] == "error"
     assert stdout_of(daemon.run("print('still here')")) == "still here\n"
     assert daemon.request({"op": "interrupt"}) == {"ok": True, "running": None}
 

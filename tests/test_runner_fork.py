@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_runner import Daemon, new_cell_id, of_type, read_until, stdout_of  # noqa: E402
+from test_runner import Daemon, assert_interrupt_stops, new_cell_id, of_type, read_until, stdout_of  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -129,16 +129,7 @@ def test_output_display_interrupt_input_complete(pair, which):
     assert of_type(events, "display_data")[0]["data"]["text/plain"] == "'shown'"
     assert of_type(events, "execute_result")[0]["data"]["text/plain"] == "42"
     # Interrupt.
-    cell_id = new_cell_id()
-    client = daemon.popen("run", {"cell_id": cell_id, "code": "print('go', flush=True)\nwhile True: pass",
-                                  "silent": False, "store_history": True})
-    read_until(client, "stream")
-    started = time.monotonic()
-    assert daemon.request({"op": "interrupt"}) == {"ok": True, "running": cell_id}
-    rest = read_until(client, "done")
-    assert time.monotonic() - started < 2
-    assert client.wait(5) == 0
-    assert of_type(rest, "error")[0]["ename"] == "KeyboardInterrupt"
+    assert_interrupt_stops(daemon, "while True: pass")
     # input() round trip.
     cell_id = new_cell_id()
     client = daemon.popen("run", {"cell_id": cell_id, "code": "answer = input('name? ')\nprint('got', answer)",

@@ -387,29 +387,28 @@ class Engine:
 
     # -- pause, resume, patch ---------------------------------------------------------
 
+    def _settled(self, sandbox_id: str, status: SandboxStatus, to_be: str) -> LocalSandbox:
+        """The sandbox, if it is in `status` with nothing in flight; else 409 (CreateOS)."""
+        sandbox = self.get(sandbox_id)
+        if sandbox.status != status or (sandbox.transition and not sandbox.transition.done()):
+            raise Conflict(f"sandbox is {sandbox.status.value}: only a {status.value} sandbox can be "
+                           f"{to_be}", code="invalid_state")
+        return sandbox
+
     def pause(self, sandbox_id: str) -> LocalSandbox:
         """Start pausing (answer `pausing` at once, like CreateOS); a task freezes it."""
-        sandbox = self.get(sandbox_id)
-        if sandbox.status != SandboxStatus.RUNNING:
-            raise Conflict(f"sandbox is {sandbox.status.value}: only a running sandbox can be paused",
-                           code="invalid_state")
+        sandbox = self._settled(sandbox_id, SandboxStatus.RUNNING, "paused")
         self._begin(sandbox, SandboxStatus.PAUSING, self._freeze(sandbox))
         return sandbox
 
     def resume(self, sandbox_id: str) -> LocalSandbox:
-        sandbox = self.get(sandbox_id)
-        if sandbox.status != SandboxStatus.PAUSED:
-            raise Conflict(f"sandbox is {sandbox.status.value}: only a paused sandbox can be resumed",
-                           code="invalid_state")
+        sandbox = self._settled(sandbox_id, SandboxStatus.PAUSED, "resumed")
         self._begin(sandbox, SandboxStatus.RESUMING, self._thaw(sandbox))
         return sandbox
 
     def fork(self, source_id: str, request: ForkSandboxRequest) -> LocalSandbox:
         """Start a fork (answer the child in `forking`, like CreateOS); a task makes it."""
-        source = self.get(source_id)
-        if source.status != SandboxStatus.PAUSED or (source.transition and not source.transition.done()):
-            raise Conflict(f"sandbox is {source.status.value}: only a paused sandbox can be forked",
-                           code="invalid_state")
+        source = self._settled(source_id, SandboxStatus.PAUSED, "forked")
         if request.ingress_enabled:
             raise InvalidRequest("ingress is not supported by the local engine", code="ingress_unsupported")
         child_id = new_sandbox_id()

@@ -182,7 +182,35 @@ def _own_cgroup2() -> str | None:
     return None
 
 
-class CgroupV2Freezer(Freezer):
+class CgroupFreezer(Freezer):
+    """What both cgroup versions share: a cgroup per sandbox under `parent`."""
+
+    parent: Path
+
+    def attach(self, sandbox_id: str, pid: int, *more: int) -> Handle:
+        self.parent.mkdir(exist_ok=True)
+        return Handle(sandbox_id, pid, _new_cgroup(self.parent / sandbox_id, (pid, *more)), more)
+
+    def detach(self, handle: Handle, pids: set[int]) -> None:
+        _move(self.parent, pids)
+
+    def kill(self, handle: Handle) -> None:
+        assert handle.cgroup is not None
+        if (handle.cgroup / "cgroup.kill").exists():  # v2 (5.14+): the whole cgroup at once
+            with contextlib.suppress(OSError):
+                _write(handle.cgroup / "cgroup.kill", "1")
+        for pid in _procs(handle.cgroup):
+            _kill(pid)
+        # A v1-frozen task dies only once thawed; a v2 one is woken by the signal, but
+        # thaw anyway so nothing waits on us.
+        self.thaw(handle)
+
+    def release(self, handle: Handle) -> None:
+        assert handle.cgroup is not None
+        _remove(handle.cgroup)
+
+
+class CgroupV2Freezer(CgroupFreezer):
     name = "cgroup-v2"
 
     def __init__(self, parent: Path) -> None:
@@ -203,13 +231,6 @@ class CgroupV2Freezer(Freezer):
         found.append(mount / GROUP)
         return found
 
-    def attach(self, sandbox_id: str, pid: int, *more: int) -> Handle:
-        self.parent.mkdir(exist_ok=True)
-        return Handle(sandbox_id, pid, _new_cgroup(self.parent / sandbox_id, (pid, *more)), more)
-
-    def detach(self, handle: Handle, pids: set[int]) -> None:
-        _move(self.parent, pids)
-
     def freeze(self, handle: Handle) -> None:
         assert handle.cgroup is not None
         _write(handle.cgroup / "cgroup.freeze", "1")
@@ -225,25 +246,11 @@ class CgroupV2Freezer(Freezer):
         with contextlib.suppress(FileNotFoundError):
             _write(handle.cgroup / "cgroup.freeze", "0")
 
-    def kill(self, handle: Handle) -> None:
-        assert handle.cgroup is not None
-        # A fatal signal wakes a v2-frozen task, but thaw anyway so nothing waits on us.
-        if (handle.cgroup / "cgroup.kill").exists():
-            with contextlib.suppress(OSError):
-                _write(handle.cgroup / "cgroup.kill", "1")
-        for pid in _procs(handle.cgroup):
-            _kill(pid)
-        self.thaw(handle)
-
-    def release(self, handle: Handle) -> None:
-        assert handle.cgroup is not None
-        _remove(handle.cgroup)
-
 
 # -- cgroup v1 ----------------------------------------------------------------------------
 
 
-class CgroupV1Freezer(Freezer):
+class CgroupV1Freezer(CgroupFreezer):
     name = "cgroup-v1"
     ROOT = Path("/sys/fs/cgroup/freezer")
 
@@ -256,11 +263,7 @@ class CgroupV1Freezer(Freezer):
     def attach(self, sandbox_id: str, pid: int, *more: int) -> Handle:
         if not (self.ROOT / "tasks").exists():
             raise FreezerError("no cgroup v1 freezer hierarchy mounted")
-        self.parent.mkdir(exist_ok=True)
-        return Handle(sandbox_id, pid, _new_cgroup(self.parent / sandbox_id, (pid, *more)), more)
-
-    def detach(self, handle: Handle, pids: set[int]) -> None:
-        _move(self.parent, pids)
+        return super().attach(sandbox_id, pid, *more)
 
     def freeze(self, handle: Handle) -> None:
         assert handle.cgroup is not None
@@ -282,17 +285,6 @@ class CgroupV1Freezer(Freezer):
         assert handle.cgroup is not None
         with contextlib.suppress(FileNotFoundError):
             _write(handle.cgroup / "freezer.state", "THAWED")
-
-    def kill(self, handle: Handle) -> None:
-        assert handle.cgroup is not None
-        # A v1-frozen task does not die until thawed: queue the SIGKILLs, then thaw.
-        for pid in _procs(handle.cgroup):
-            _kill(pid)
-        self.thaw(handle)
-
-    def release(self, handle: Handle) -> None:
-        assert handle.cgroup is not None
-        _remove(handle.cgroup)
 
 
 # -- signals ------------------------------------------------------------------------------
