@@ -103,22 +103,26 @@ class SandboxSession:
         """
         client = self._client()
         view = await client.get_sandbox(sandbox_id)
-        self.sandbox_id = view.id
-        self.on_shutdown = "keep"
-        if view.status in (SandboxStatus.PAUSED, SandboxStatus.PAUSING):
-            await self.resume(progress)
-        elif view.status != SandboxStatus.RUNNING:
+        if view.status not in (SandboxStatus.RUNNING, SandboxStatus.PAUSED, SandboxStatus.PAUSING):
             raise SessionError(f"sandbox {view.id} is {view.status.value}: it cannot run cells")
-        if not fresh_runner:
-            try:
-                info = await self.runner_request({"op": "info"})
-            except SessionError:
-                info = {}
-            if "python_version" in info:
-                self.runner_info = info
-                return True
-        await self.start_runner()
-        return False
+        previous = (self.sandbox_id, self.on_shutdown, self.runner_info)
+        self.sandbox_id, self.on_shutdown = view.id, "keep"
+        try:
+            if view.status != SandboxStatus.RUNNING:
+                await self.resume(progress)
+            if not fresh_runner:
+                try:
+                    info = await self.runner_request({"op": "info"})
+                except SessionError:
+                    info = {}
+                if "python_version" in info:
+                    self.runner_info = info
+                    return True
+            await self.start_runner()
+            return False
+        except BaseException:  # a failed attach leaves the notebook on its sandbox
+            self.sandbox_id, self.on_shutdown, self.runner_info = previous
+            raise
 
     async def start_runner(self) -> None:
         """Upload runner.py and start its daemon; an older daemon is stopped first."""

@@ -12,7 +12,7 @@ from jupyter_client.manager import KernelManager, start_new_kernel
 
 from engine_helpers import sandbox_status
 from kernel_helpers import TIMEOUT, execute, is_status_line
-from sandbox_kernel.api import SandboxClient, SandboxStatus
+from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.magics import PARSER, MagicError, describe_age, parse_time, split_cell
 
@@ -63,6 +63,16 @@ def destroy(engine: EngineEndpoint, sandbox_id: str) -> None:
     asyncio.run(delete())
 
 
+def create_and_destroy(engine: EngineEndpoint) -> str:
+    async def make() -> str:
+        async with SandboxClient(engine.url, engine.token) as client:
+            created = await client.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb"))
+            await client.delete_sandbox(created.id)
+            return created.id
+
+    return asyncio.run(make())
+
+
 @pytest.fixture(scope="module")
 def kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
     km, kc = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT)
@@ -98,11 +108,15 @@ def test_help(kc: BlockingKernelClient, sandbox_id: str) -> None:
 
 
 @pytest_slow
-def test_misuse_is_one_line_and_the_kernel_lives(kc: BlockingKernelClient, sandbox_id: str) -> None:
+def test_misuse_is_one_line_and_the_kernel_lives(kc: BlockingKernelClient, sandbox_id: str,
+                                                 engine: EngineEndpoint) -> None:
     assert "invalid choice: 'frobnicate'" in one_error_line(kc, "%sandbox frobnicate")
     assert "sandbox not found" in one_error_line(kc, "%sandbox attach sb-no-such-sandbox")
     assert one_error_line(kc, "%sandbox resume").startswith("sandbox-kernel: ")  # it is running
-    assert execute(kc, "print('alive')").text() == "alive\n"
+    gone = create_and_destroy(engine)
+    assert f"sandbox {gone} is destroyed: it cannot run cells" in one_error_line(kc, f"%sandbox attach {gone}")
+    # A failed attach leaves the notebook on its own sandbox.
+    assert execute(kc, "import os\nprint(os.environ['SANDBOX_ID'])").text() == f"{sandbox_id}\n"
 
 
 @pytest_slow
