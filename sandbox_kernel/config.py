@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .api import SandboxClient
+from .egress_rules import EgressRuleError, validate as validate_egress
 from .paths import state_dir
 
 DEFAULT_BASE_URL = "https://api.sb.createos.sh"
@@ -36,6 +37,7 @@ class Settings:
     engine_idle_timeout: float = 600.0
     attach_to: str | None = None  # drive this existing sandbox instead of creating one
     on_shutdown: str | None = None  # destroy | pause | keep; None: destroy ours, keep adopted
+    egress: list[str] | None = None  # rules for a sandbox the kernel creates; None: allow all
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -55,14 +57,23 @@ class Settings:
                    base_url=env.get("CREATEOS_SANDBOX_BASE_URL") or DEFAULT_BASE_URL,
                    api_key=api_key, engine_transport=transport,
                    ).with_overrides(attach_to=env.get("SANDBOX_KERNEL_SANDBOX_ID") or None,
-                                    on_shutdown=env.get("SANDBOX_KERNEL_ON_SHUTDOWN") or None)
+                                    on_shutdown=env.get("SANDBOX_KERNEL_ON_SHUTDOWN") or None,
+                                    egress=env.get("SANDBOX_KERNEL_EGRESS") or None)
 
-    def with_overrides(self, attach_to: str | None, on_shutdown: str | None) -> Settings:
-        """These settings with the attach target and shutdown policy replaced where given."""
+    def with_overrides(self, attach_to: str | None, on_shutdown: str | None,
+                       egress: str | None = None) -> Settings:
+        """These settings with the attach target, shutdown policy and egress rules
+        (comma- or space-separated) replaced where given."""
         if on_shutdown is not None and on_shutdown not in SHUTDOWN_POLICIES:
             raise ConfigError(f"the shutdown policy must be destroy, pause or keep, not {on_shutdown!r}")
+        rules = self.egress
+        if egress is not None:
+            try:
+                rules = validate_egress(egress.replace(",", " ").split())
+            except EgressRuleError as exc:
+                raise ConfigError(str(exc)) from None
         return replace(self, attach_to=attach_to or self.attach_to,
-                       on_shutdown=on_shutdown or self.on_shutdown)
+                       on_shutdown=on_shutdown or self.on_shutdown, egress=rules)
 
     @property
     def description(self) -> str:

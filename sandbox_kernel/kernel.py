@@ -51,6 +51,8 @@ class SandboxKernel(Kernel):
                          ).tag(config=True)
     on_shutdown = Unicode("", help="destroy, pause or keep the sandbox when the kernel shuts down"
                           ).tag(config=True)
+    egress = Unicode("", help="egress allowlist for the sandbox the kernel creates, comma-separated"
+                     ).tag(config=True)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -58,7 +60,8 @@ class SandboxKernel(Kernel):
         self.config_error: str | None = None
         try:
             self.settings = Settings.from_env().with_overrides(
-                attach_to=self.sandbox_id or None, on_shutdown=self.on_shutdown or None)
+                attach_to=self.sandbox_id or None, on_shutdown=self.on_shutdown or None,
+                egress=self.egress or None)
         except ConfigError as exc:
             self.config_error = str(exc)
         # Not `self.session`: that name is jupyter_client's Session in ipykernel.

@@ -1,7 +1,7 @@
-"""%sandbox magics, handled on the host: they drive the sandbox through the API and are
-never sent into it.
+"""%sandbox and %egress magics, handled on the host: they drive the sandbox through the
+API and are never sent into it.
 
-A cell is split into top-level `%sandbox` lines and the code between them; they run in
+A cell is split into top-level magic lines and the code between them; they run in
 order, so `x = 1` / `%sandbox pause` pauses after x is set.
 """
 
@@ -14,12 +14,17 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from .api import SandboxView
+from . import egress_rules
+from .api import EgressView, SandboxView
 from .config import SHUTDOWN_POLICIES
 from .output import CellOutput
 from .session import SandboxSession
 
 MAGIC = "%sandbox"
+EGRESS = "%egress"
+# CreateOS has no deny-all token (an empty list allows all): one rule that matches nothing
+# useful, a port on a documentation-only address (RFC 5737), stands for "block all".
+BLOCK_ALL = "192.0.2.1:9"
 HELP = """\
 %sandbox — manage this notebook's sandbox (handled by the kernel, not run in the sandbox)
 
@@ -38,6 +43,22 @@ HELP = """\
   %sandbox on-shutdown destroy|pause|keep
                                   what closing this notebook does to its sandbox
   %sandbox help                   this text
+"""
+EGRESS_HELP = """\
+%egress — the sandbox's outbound network allowlist (enforced outside the sandbox)
+
+  %egress                         the rules, and recent refused connections
+  %egress allow RULE...           add rules
+  %egress deny RULE...            remove rules
+  %egress only RULE...            replace all rules with these
+  %egress block-all               no outbound connection at all
+  %egress open                    allow every public destination (host, private and
+                                  link-local addresses still need a rule)
+  %egress help                    this text
+
+A RULE is host, host:port, *.domain (subdomains), an IPv4/IPv6 address or a CIDR, e.g.
+pypi.org  files.pythonhosted.org:443  *.github.com  127.0.0.1:8000  10.0.0.0/8
+Changes apply to the next connection; an empty list means every public destination.
 """
 
 
@@ -66,12 +87,24 @@ def split_cell(code: str) -> list[Segment]:
 
 
 def is_magic_line(line: str) -> bool:
-    return line.startswith(MAGIC) and line[len(MAGIC):len(MAGIC) + 1] in ("", " ", "\t", "\n", "\r")
+    return any(line.startswith(name) and line[len(name):len(name) + 1] in ("", " ", "\t", "\n", "\r")
+               for name in (MAGIC, EGRESS))
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise MagicError(f"%sandbox: {message} (see %sandbox help)")
+        raise MagicError(f"{self.prog}: {message} (see {self.prog} help)")
+
+
+def build_egress_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=EGRESS, add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    sub = parser.add_subparsers(dest="command")
+    for name in ("show", "block-all", "open", "help"):
+        sub.add_parser(name, add_help=False)
+    for name in ("allow", "deny", "only"):
+        sub.add_parser(name, add_help=False).add_argument("rules", nargs="+", metavar="RULE")
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 PARSER = build_parser()
+EGRESS_PARSER = build_egress_parser()
 
 
 def parse_time(stamp: str | None) -> datetime | None:
@@ -142,6 +176,11 @@ class SandboxMagics:
         self.out = out
 
     async def run(self, line: str) -> None:
+        if line.startswith(EGRESS):
+            args = EGRESS_PARSER.parse_args(line[len(EGRESS):].split())
+            command = "help" if args.help else args.command or "show"
+            await getattr(self, "egress_" + command.replace("-", "_"))(args)
+            return
         args = PARSER.parse_args(line[len(MAGIC):].split())
         command = "help" if args.help or args.command is None else args.command
         handler = getattr(self, "do_" + command.replace("-", "_"))
@@ -214,3 +253,66 @@ class SandboxMagics:
         self.session.on_shutdown = args.policy
         outcome = {"destroy": "destroyed", "pause": "paused", "keep": "kept"}[args.policy]
         self.out.text(f"When this notebook shuts down, sandbox {self.session.sandbox_id} will be {outcome}\n")
+
+    # -- %egress ------------------------------------------------------------------------
+
+    async def egress_help(self, _: argparse.Namespace) -> None:
+        self.out.text(EGRESS_HELP)
+
+    async def egress_show(self, _: argparse.Namespace) -> None:
+        view = await self.session.get_egress()
+        rows = [("rules", describe_rules(view.egress or []))]
+        if view.denied_count is not None:
+            rows.append(("refused", f"{view.denied_count} connection(s)"))
+            rows += [(d.at[11:19], f"{d.host}:{d.port} — {d.reason}") for d in (view.denied or [])[-10:]]
+        self.out.display(table(rows))
+
+    async def egress_allow(self, args: argparse.Namespace) -> None:
+        current = (await self.session.get_egress()).egress or []
+        if current and not egress_rules.is_allow_all(current) and current != [BLOCK_ALL]:
+            await self._set_rules(egress_rules.add(current, checked(args.rules)))
+        else:  # from "all public" (or block-all), allowing these means: only these
+            await self._set_rules(checked(args.rules))
+
+    async def egress_deny(self, args: argparse.Namespace) -> None:
+        gone = checked(args.rules)
+        current = (await self.session.get_egress()).egress or []
+        absent = egress_rules.missing(current, gone)
+        if absent:
+            raise MagicError(f"%egress deny: not in the rules: {' '.join(absent)}")
+        remaining = egress_rules.remove(current, gone)
+        if not remaining:
+            raise MagicError("%egress deny: removing the last rule would allow every public destination; "
+                             "use %egress block-all or %egress open")
+        await self._set_rules(remaining)
+
+    async def egress_only(self, args: argparse.Namespace) -> None:
+        await self._set_rules(checked(args.rules))
+
+    async def egress_block_all(self, _: argparse.Namespace) -> None:
+        await self._set_rules([BLOCK_ALL])
+
+    async def egress_open(self, _: argparse.Namespace) -> None:
+        self.out.text("Warning: every public destination is now reachable from the sandbox "
+                      "(the host, private and link-local addresses still need a rule)\n", name="stderr")
+        await self._set_rules([])
+
+    async def _set_rules(self, rules: list[str]) -> None:
+        view: EgressView = await self.session.set_egress(rules)
+        self.out.text(f"egress: {describe_rules(view.egress or [])}\n")
+
+
+def checked(rules: list[str]) -> list[str]:
+    """Validated before any request, with a one-line reason naming the bad rule."""
+    try:
+        return egress_rules.validate(rules)
+    except egress_rules.EgressRuleError as exc:
+        raise MagicError(f"%egress: {exc}") from None
+
+
+def describe_rules(rules: list[str]) -> str:
+    if not rules:
+        return "all public destinations (no rules)"
+    if rules == [BLOCK_ALL]:
+        return "nothing: all outbound connections blocked"
+    return "only " + ", ".join(rules)

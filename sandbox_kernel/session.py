@@ -23,6 +23,7 @@ from .api import (
     APITransportError,
     ConflictError,
     CreateSandboxRequest,
+    EgressView,
     ForkSandboxRequest,
     ProtocolError,
     SandboxAPIError,
@@ -84,7 +85,8 @@ class SandboxSession:
             if attach_to:
                 await self.attach(attach_to, fresh_runner=fresh_runner)
             else:
-                created = await self.client.create_sandbox(CreateSandboxRequest(shape=self.settings.shape))
+                created = await self.client.create_sandbox(
+                    CreateSandboxRequest(shape=self.settings.shape, egress=self.settings.egress))
                 self.sandbox_id = created.id
                 await self.start_runner()
         except SandboxAPIError as exc:
@@ -169,6 +171,15 @@ class SandboxSession:
 
     async def list_sandboxes(self) -> list[SandboxView]:
         return await self._client().list_sandboxes()
+
+    async def get_egress(self) -> EgressView:
+        client, sandbox_id = self._require()
+        return await client.get_egress(sandbox_id)
+
+    async def set_egress(self, rules: list[str]) -> EgressView:
+        """Replace the sandbox's whole egress rule list ([] allows all public destinations)."""
+        client, sandbox_id = self._require()
+        return await client.set_egress(sandbox_id, rules)
 
     async def pause(self, progress: Progress | None = None) -> SandboxView:
         client, sandbox_id = self._require()

@@ -39,6 +39,7 @@ __all__ = [
     "PatchSandboxRequest",
     "ForkSandboxRequest",
     "DestroyResponse",
+    "EgressDenial",
     "EgressView",
     "EgressUpdate",
     "ExecRequest",
@@ -271,9 +272,22 @@ class DestroyResponse(StatusAck):
     """``data`` of ``DELETE /v1/sandboxes/:id``: ``{id, status: destroying|destroyed}``."""
 
 
+class EgressDenial(WireModel):
+    """One refused outbound connection (local engine extension; CreateOS does not report them)."""
+
+    at: str
+    host: str
+    port: int
+    reason: str
+
+
 class EgressView(WireModel):
     id: str
     egress: Optional[List[str]] = None
+    # Local engine extension, absent on CreateOS: how many connections the rules refused,
+    # and the most recent ones.
+    denied_count: Optional[int] = None
+    denied: Optional[List[EgressDenial]] = None
 
 
 class EgressUpdate(WireModel):

@@ -47,10 +47,14 @@ class AgentClient:
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
 
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, request: dict, body: bytes = b"") -> None:
-        writer.write(json.dumps(request).encode() + b"\n" + body)
-        await writer.drain()
+    @contextlib.asynccontextmanager
+    async def connection(self, request: dict, body: bytes = b""
+                         ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        """A connection on which `request` (and `body`) has been sent."""
+        async with self._connect() as (reader, writer):
+            writer.write(json.dumps(request).encode() + b"\n" + body)
+            await writer.drain()
+            yield reader, writer
 
     @staticmethod
     async def _reply(reader: asyncio.StreamReader) -> dict:
@@ -63,22 +67,19 @@ class AgentClient:
         return reply
 
     async def ping(self) -> dict:
-        async with self._connect() as (reader, writer):
-            await self._send(writer, {"op": "ping"})
+        async with self.connection({"op": "ping"}) as (reader, _):
             return await self._reply(reader)
 
     async def fork(self, hostname: str, disk_mib: int, env: dict[str, str]) -> dict:
         """Make a new sandbox from this one: {"pid": its agent, "followers": [runner, ...]}
         (pids as seen inside the sandboxes' shared pid namespace)."""
-        async with self._connect() as (reader, writer):
-            await self._send(writer, {"op": "fork", "hostname": hostname, "disk_mib": disk_mib,
-                                      "env": env})
+        request = {"op": "fork", "hostname": hostname, "disk_mib": disk_mib, "env": env}
+        async with self.connection(request) as (reader, _):
             return await self._reply(reader)
 
     async def exec(self, cmd: str, args: list[str], env: dict[str, str]) -> AsyncIterator[dict]:
         """Yield the command's CreateOS exec frames; closing the generator kills the command."""
-        async with self._connect() as (reader, writer):
-            await self._send(writer, {"op": "exec", "cmd": cmd, "args": args, "env": env})
+        async with self.connection({"op": "exec", "cmd": cmd, "args": args, "env": env}) as (reader, _):
             while True:
                 line = await reader.readline()
                 if not line:
@@ -86,13 +87,11 @@ class AgentClient:
                 yield json.loads(line)
 
     async def write_file(self, path: str, data: bytes) -> int:
-        async with self._connect() as (reader, writer):
-            await self._send(writer, {"op": "write", "path": path, "size": len(data)}, data)
+        async with self.connection({"op": "write", "path": path, "size": len(data)}, data) as (reader, _):
             return (await self._reply(reader))["bytes"]
 
     async def read_file(self, path: str) -> bytes:
-        async with self._connect() as (reader, writer):
-            await self._send(writer, {"op": "read", "path": path})
+        async with self.connection({"op": "read", "path": path}) as (reader, _):
             size = (await self._reply(reader))["size"]
             try:
                 return await reader.readexactly(size)

@@ -24,6 +24,7 @@ AGENT_SOCKET = AGENT_DIR + "/agent.sock"
 GUEST_DIR = "/opt/sandbox-kernel"  # sandbox_kernel/local/guest, read-only
 AGENT_SCRIPT = GUEST_DIR + "/agent.py"
 FORKABLE_DIR = AGENT_DIR + "/forkable"  # processes that follow a fork register here
+EGRESS_PORT = 3128  # on the sandbox's loopback: the agent hands connections to the engine's proxy
 
 # Host /etc entries a Python sandbox reasonably needs; nothing with secrets in it.
 HOST_ETC = ("ssl", "ca-certificates", "alternatives", "ld.so.cache", "localtime",
@@ -125,7 +126,21 @@ def sandbox_env(sandbox_id: str, python_bin: str) -> dict[str, str]:
         "IPYTHONDIR": "/tmp/.ipython",
         "SANDBOX_ID": sandbox_id,
         "SANDBOX_FORKABLE_DIR": FORKABLE_DIR,
+        "SANDBOX_EGRESS_PORT": str(EGRESS_PORT),
+        **proxy_env(),
     }
+
+
+def proxy_env() -> dict[str, str]:
+    """Send proxy-aware tools (urllib, requests, pip, curl) through the egress port.
+
+    Through the proxy, 127.0.0.1 means the HOST's loopback (reachable only by an explicit
+    rule); `localhost` bypasses it and stays the sandbox's own loopback.
+    """
+    http = f"http://127.0.0.1:{EGRESS_PORT}"
+    socks = f"socks5h://127.0.0.1:{EGRESS_PORT}"
+    env = {"http_proxy": http, "https_proxy": http, "all_proxy": socks, "no_proxy": "localhost"}
+    return {**env, **{key.upper(): value for key, value in env.items()}}
 
 
 def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path) -> list[str]:

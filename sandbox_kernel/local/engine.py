@@ -31,7 +31,9 @@ from ..api.models import (
     SandboxView,
     Shape,
 )
+from ..egress_rules import EgressRuleError, validate as validate_egress
 from .agent_client import AgentClient, AgentError, AgentUnavailable
+from .egress_gate import EgressGate
 from .bwrap import AGENT_DIR, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
 from .freezer import Freezer, Handle, SignalFreezer, select as select_freezer
 
@@ -82,6 +84,14 @@ class NotFound(EngineError):
 
 class Conflict(EngineError):
     status = 409
+
+
+def checked_egress(rules: list[str] | None) -> list[str]:
+    """The normalized rule list ([] = allow all public destinations); 400 naming a bad rule."""
+    try:
+        return validate_egress(rules)
+    except EgressRuleError as exc:
+        raise InvalidRequest(str(exc), code="invalid_egress_rule") from None
 
 
 def rfc3339(ts: float) -> str:
@@ -162,6 +172,7 @@ class LocalSandbox:
     # Where the engine reaches the agent: the host dir bound at AGENT_DIR for the first
     # sandbox of a family, /proc/<agent>/root/... for a fork (its root exists only inside).
     agent_dir: Path | None = None
+    gate: EgressGate | None = None  # its way out (started once it runs)
     # Pausing: which freezer holds this sandbox's processes, and the pause/resume in flight.
     freezer: Freezer | None = None
     frozen: Handle | None = None
@@ -205,6 +216,8 @@ class Engine:
         self.freezer = select_freezer()
         log.info("pausing sandboxes with: %s", self.freezer.describe())
         self._auto_pauser: asyncio.Task | None = None
+        # The engine's own API addresses: no egress rule may open them to a sandbox.
+        self.api_addresses: list[tuple[str, int]] = []
         self._fallback: Freezer | None = None  # for a sandbox the freezer could not attach
 
     def touch(self) -> None:
@@ -248,8 +261,7 @@ class Engine:
         sandbox_id = new_sandbox_id()
         sandbox = LocalSandbox(
             id=sandbox_id, name=name, shape=shape, dirs=SandboxDirs(self.sandbox_root / sandbox_id),
-            envs=dict(request.envs or {}),
-            egress=[] if request.egress in (None, ["*"]) else list(request.egress),
+            envs=dict(request.envs or {}), egress=checked_egress(request.egress),
             auto_pause_after_seconds=request.auto_pause_after_seconds)
         self.sandboxes[sandbox_id] = sandbox
         self._start_auto_pauser()
@@ -282,6 +294,7 @@ class Engine:
             pipe.write(arguments.encode())
         await self._wait_for_agent(sandbox)
         sandbox.family.note_keepers()
+        self._open_gate(sandbox)
         sandbox.spawn_ms = int((time.monotonic() - started) * 1000)
         sandbox.running_at = time.time()
         sandbox.status = SandboxStatus.RUNNING
@@ -348,6 +361,8 @@ class Engine:
         # whole pid namespace: that happens with the family's last sandbox. Before that,
         # the founder's agent, bwrap and its init stay, as the keepers of the namespace
         # its forks live in.
+        if sandbox.gate:
+            await sandbox.gate.stop()
         family = sandbox.family
         if family:
             family.members.discard(sandbox.id)
@@ -416,7 +431,7 @@ class Engine:
             id=child_id, name=self._free_name(), shape=source.shape,
             dirs=SandboxDirs(self.sandbox_root / child_id),
             envs=dict(source.envs if request.envs is None else request.envs),
-            egress=list(source.egress if request.egress is None else request.egress),
+            egress=list(source.egress) if request.egress is None else checked_egress(request.egress),
             auto_pause_after_seconds=source.auto_pause_after_seconds,
             family=source.family, forked_from=source.id)
         assert source.family is not None
@@ -446,6 +461,7 @@ class Engine:
                 await asyncio.to_thread(source.freezer.freeze, source.frozen)
             child.agent_dir = Path(f"/proc/{agent_pid}/root") / AGENT_DIR.lstrip("/")
             await self._wait_for_agent(child)
+            self._open_gate(child)
             if start_paused:
                 await asyncio.to_thread(child.freezer.freeze, child.frozen)
                 child.paused_at = time.time()
@@ -458,6 +474,18 @@ class Engine:
         child.running_at = time.time()
         child.status = SandboxStatus.PAUSED if start_paused else SandboxStatus.RUNNING
         log.info("sandbox %s forked from %s (%d ms)", child.id, source.id, child.spawn_ms)
+
+    def _open_gate(self, sandbox: LocalSandbox) -> None:
+        sandbox.gate = EgressGate(lambda: sandbox.agent, lambda: sandbox.egress, self.api_addresses)
+        sandbox.gate.start()
+
+    def set_egress(self, sandbox_id: str, rules: list[str] | None) -> LocalSandbox:
+        """Replace the whole rule list at once; the next connection already obeys it."""
+        sandbox = self.get(sandbox_id)
+        if sandbox.status in TERMINAL or sandbox.status == SandboxStatus.DESTROYING:
+            raise NotFound("sandbox not found")
+        sandbox.egress = checked_egress(rules)
+        return sandbox
 
     def patch(self, sandbox_id: str, request: PatchSandboxRequest) -> LocalSandbox:
         sandbox = self.get(sandbox_id)

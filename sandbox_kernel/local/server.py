@@ -27,6 +27,9 @@ from ..api.models import (
     CreateSandboxRequest,
     CreateSandboxResponse,
     DestroyResponse,
+    EgressDenial,
+    EgressUpdate,
+    EgressView,
     ExecRequest,
     ExecResponse,
     ExecResult,
@@ -37,7 +40,7 @@ from ..api.models import (
     Readiness,
 )
 from .agent_client import AgentUnavailable
-from .engine import ROOTFS, SHAPES, Engine, EngineError
+from .engine import ROOTFS, SHAPES, Engine, EngineError, LocalSandbox, rfc3339
 
 log = logging.getLogger("sandbox_kernel.server")
 
@@ -175,6 +178,16 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     async def fork_sandbox(sandbox_id: str, body: ForkSandboxRequest | None = None) -> JSONResponse:
         return jsend(engine.fork(sandbox_id, body or ForkSandboxRequest()).view())
 
+    # -- egress --------------------------------------------------------------------------
+
+    @app.get("/v1/sandboxes/{sandbox_id}/egress")
+    async def get_egress(sandbox_id: str) -> JSONResponse:
+        return jsend(egress_view(engine.get(sandbox_id)))
+
+    @app.put("/v1/sandboxes/{sandbox_id}/egress")
+    async def put_egress(sandbox_id: str, body: EgressUpdate) -> JSONResponse:
+        return jsend(egress_view(engine.set_egress(sandbox_id, body.egress)))
+
     # -- exec ----------------------------------------------------------------------------
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec")
@@ -211,6 +224,15 @@ def create_app(engine: Engine, token: str) -> FastAPI:
         return Response(content=data, media_type="application/octet-stream")
 
     return app
+
+
+def egress_view(sandbox: LocalSandbox) -> EgressView:
+    proxy = sandbox.gate.proxy if sandbox.gate else None
+    return EgressView(
+        id=sandbox.id, egress=list(sandbox.egress),
+        denied_count=proxy.denied_count if proxy else 0,
+        denied=[EgressDenial(at=rfc3339(d.at), host=d.host, port=d.port, reason=d.reason)
+                for d in (proxy.denials if proxy else ())])
 
 
 def require_absolute(path: str) -> None:

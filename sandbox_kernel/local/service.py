@@ -143,6 +143,7 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))
     bound_host, bound_port = tcp.getsockname()[:2]
+    engine.api_addresses.append((bound_host, bound_port))
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
 
     async def announce_and_watch_idle() -> None:

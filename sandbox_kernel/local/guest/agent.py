@@ -12,12 +12,22 @@ Protocol (unix socket, one request per connection): the engine sends one JSON li
     {"op": "write", "path": "/abs", "size": N}   followed by N raw bytes
     {"op": "read", "path": "/abs"}
     {"op": "fork", "hostname": str, "disk_mib": N, "env": {str: str}}
+    {"op": "egress_listen"}
+    {"op": "egress_attach", "stream": N}
 and gets back JSON lines. exec answers with CreateOS exec frames, one per line
 ({"stdout": s} / {"stderr": s} / {"error": s} / {"exit_code": n}); write answers
 {"ok": true, "bytes": N}; read answers {"ok": true, "size": N} then N raw bytes;
 fork answers {"ok": true, "pid": P, "followers": [pid, ...]}: P is the new sandbox's
 agent (a fresh agent.py in new namespaces, see nsfork.py), followers are the pids of
 the fork-aware processes (the runner) that forked themselves into it.
+
+Egress: the sandbox has no network device but loopback. The agent listens on
+127.0.0.1:$SANDBOX_EGRESS_PORT inside it (proxy variables point every process there);
+each connection made to it is announced as {"stream": N} on the engine's
+`egress_listen` connection, and the engine answers by opening `egress_attach` N, which
+the agent splices to it. The engine's egress proxy, outside the sandbox, speaks HTTP
+CONNECT / SOCKS5 with the client and enforces the rules. Nothing in the sandbox can
+reach the host otherwise, nor change the rules, which live in the engine.
 Failures are {"ok": false, "code": "not_found" | "invalid" | "failed", "error": msg}.
 Closing the connection before an exec finishes kills that command's process group,
 as CreateOS does when a client abandons an exec.
@@ -40,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the 
 CHUNK = 64 * 1024
 MAX_HEADER = 1 << 20
 FOLLOW_TIMEOUT = 60.0  # a fork-aware process has this long to fork itself into the new sandbox
+ATTACH_TIMEOUT = 10.0  # an egress connection the engine does not pick up by then is closed
 
 
 def frame(obj: dict) -> bytes:
@@ -62,8 +73,12 @@ class Agent:
     def __init__(self, socket_path: str, workdir: str) -> None:
         self.socket_path = socket_path
         self.workdir = workdir
+        self.egress_listener: asyncio.StreamWriter | None = None  # the engine's egress_listen
+        self.pending: dict = {}  # stream number -> future of the engine's attach connection
+        self.streams = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handed_over = False  # an egress stream now belongs to its splice
         try:
             line = await reader.readline()
             request = json.loads(line) if line else {}
@@ -78,6 +93,10 @@ class Agent:
                 await self.read_file(request, writer)
             elif op == "fork":
                 await self.fork(request, writer)
+            elif op == "egress_listen":
+                await self.egress_listen(reader, writer)
+            elif op == "egress_attach":
+                handed_over = self.egress_attach(request, reader, writer)
             else:
                 writer.write(failure("invalid", "unknown op %r" % (op,)))
             await writer.drain()
@@ -86,7 +105,8 @@ class Agent:
         except ValueError as exc:
             writer.write(failure("invalid", "bad request: %s" % exc))
         finally:
-            writer.close()
+            if not handed_over:
+                writer.close()
 
     async def exec(self, request: dict, reader: asyncio.StreamReader,
                    writer: asyncio.StreamWriter) -> None:
@@ -219,6 +239,67 @@ class Agent:
             os._exit(1)
 
 
+    async def egress_listen(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Hold the engine's announcement channel open until the engine goes away."""
+        self.egress_listener = writer
+        writer.write(frame({"ok": True}))
+        await writer.drain()
+        await reader.read()
+        if self.egress_listener is writer:
+            self.egress_listener = None
+
+    async def egress_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A process in the sandbox connected to the egress port: have the engine take it."""
+        listener = self.egress_listener
+        if listener is None:  # no engine listening: no network at all
+            writer.close()
+            return
+        self.streams += 1
+        number = self.streams
+        attached: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.pending[number] = attached
+        try:
+            listener.write(frame({"stream": number}))
+            await listener.drain()
+            engine_reader, engine_writer = await asyncio.wait_for(attached, ATTACH_TIMEOUT)
+        except (ConnectionError, asyncio.TimeoutError):
+            writer.close()
+            return
+        finally:
+            self.pending.pop(number, None)
+        await splice(reader, writer, engine_reader, engine_writer)
+
+    def egress_attach(self, request: dict, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> bool:
+        """Give the engine's connection to the waiting client; False if none waits for it."""
+        attached = self.pending.get(request.get("stream"))
+        if attached is None or attached.done():
+            return False
+        attached.set_result((reader, writer))
+        return True
+
+
+async def splice(reader_a: asyncio.StreamReader, writer_a: asyncio.StreamWriter,
+                 reader_b: asyncio.StreamReader, writer_b: asyncio.StreamWriter) -> None:
+    """Copy bytes both ways until both directions are done; then close both."""
+    async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                chunk = await source.read(CHUNK)
+                if not chunk:
+                    if sink.can_write_eof():
+                        sink.write_eof()
+                    return
+                sink.write(chunk)
+                await sink.drain()
+        except (ConnectionError, OSError):
+            return
+
+    await asyncio.gather(pump(reader_a, writer_b), pump(reader_b, writer_a))
+    for writer in (writer_a, writer_b):
+        writer.close()
+
+
 def read_to_end(fd: int) -> str:
     with os.fdopen(fd, "rb") as pipe:
         return pipe.read().decode(errors="replace").strip()
@@ -271,6 +352,9 @@ async def serve(socket_path: str, workdir: str) -> None:
     forkable = os.environ.get("SANDBOX_FORKABLE_DIR")
     if forkable:
         os.makedirs(forkable, mode=0o700, exist_ok=True)
+    egress_port = os.environ.get("SANDBOX_EGRESS_PORT")
+    if egress_port:
+        await asyncio.start_server(agent.egress_client, "127.0.0.1", int(egress_port))
     server = await asyncio.start_unix_server(agent.handle, path=socket_path, limit=MAX_HEADER)
     os.chmod(socket_path, 0o600)
     stop = asyncio.get_running_loop().create_future()

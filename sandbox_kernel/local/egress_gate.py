@@ -1,0 +1,66 @@
+"""The way out of one local sandbox: the agent's egress streams, handed to the proxy.
+
+The engine keeps one `egress_listen` connection open to each running sandbox's agent.
+When a process in the sandbox connects to the egress port on its loopback, the agent
+announces a stream number there; the gate opens `egress_attach` for it and lets the
+egress proxy (egress_proxy.py) serve that stream with the sandbox's current rules. The
+rules are read at every connection, so a PUT applies to the next connection at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from ipaddress import IPv4Address, IPv6Address
+
+from ..egress_rules import Decision, decide
+from .agent_client import AgentClient, AgentUnavailable
+from .egress_proxy import EgressProxy
+
+log = logging.getLogger("sandbox_kernel.egress")
+
+RECONNECT_DELAY = 0.5
+
+
+class EgressGate:
+    def __init__(self, agent: Callable[[], AgentClient], rules: Callable[[], list[str]],
+                 blocked: list[tuple[str, int]]) -> None:
+        self.agent = agent
+        self.rules = rules
+        self.proxy = EgressProxy(self._decide, blocked=blocked)
+        self.task: asyncio.Task[None] | None = None
+
+    def _decide(self, host: str | None, address: IPv4Address | IPv6Address, port: int) -> Decision:
+        return decide(self.rules(), host, address, port)
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._listen())
+
+    async def stop(self) -> None:
+        if self.task:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    async def _listen(self) -> None:
+        """Take announcements for as long as the sandbox lives (reconnect if it drops)."""
+        while True:
+            try:
+                async with self.agent().connection({"op": "egress_listen"}) as (reader, _):
+                    await reader.readline()  # {"ok": true}
+                    while line := await reader.readline():
+                        stream = json.loads(line)["stream"]
+                        asyncio.get_running_loop().create_task(self._serve(stream))
+            except (AgentUnavailable, ConnectionError, ValueError, KeyError) as exc:
+                log.debug("egress channel: %s", exc)
+            await asyncio.sleep(RECONNECT_DELAY)
+
+    async def _serve(self, stream: int) -> None:
+        try:
+            async with self.agent().connection({"op": "egress_attach", "stream": stream}) as (reader, writer):
+                await self.proxy.handle(reader, writer)
+        except (AgentUnavailable, ConnectionError) as exc:
+            log.debug("egress stream %d: %s", stream, exc)

@@ -1,0 +1,194 @@
+"""Egress rules, enforced outside the sandbox, from the REST API to the notebook.
+
+Two HTTP servers on the host's loopback (ports A and B) stand for the outside world:
+the sandbox reaches them only through the engine's egress proxy, and only as the rules say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import shutil
+import threading
+from collections.abc import Iterator
+
+import pytest
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.manager import KernelManager, start_new_kernel
+
+from engine_helpers import wait_status
+from kernel_helpers import TIMEOUT, execute
+from sandbox_kernel.api import (
+    BadRequestError,
+    CreateSandboxRequest,
+    ForkSandboxRequest,
+    SandboxClient,
+    SandboxStatus,
+)
+from sandbox_kernel.local.service import EngineEndpoint
+
+pytestmark = pytest.mark.slow
+
+
+class Answer(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        body = self.server.name.encode()  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[int, int]]:
+    started = []
+    for name in ("A", "B"):
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+        server.name = name  # type: ignore[attr-defined]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        started.append(server)
+    yield started[0].server_address[1], started[1].server_address[1]
+    for server in started:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def kernel(kernelspec: str, servers: tuple[int, int]) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    a, _ = servers
+    km, kc = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT,
+                              extra_arguments=[f"--SandboxKernel.egress=127.0.0.1:{a}"])
+    yield km, kc
+    kc.stop_channels()
+    km.shutdown_kernel()
+
+
+@pytest.fixture
+def kc(kernel: tuple[KernelManager, BlockingKernelClient]) -> BlockingKernelClient:
+    return kernel[1]
+
+
+FETCH = """
+import urllib.request, urllib.error
+def fetch(port):
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10).read().decode()
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read().decode().strip()}"
+    except OSError as exc:
+        return type(exc).__name__
+"""
+
+SOCKS = """
+import socket, struct
+def socks(port):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+    s.sendall(b"\\x05\\x01\\x00")
+    assert s.recv(2) == b"\\x05\\x00"
+    s.sendall(b"\\x05\\x01\\x00\\x01" + socket.inet_aton("127.0.0.1") + struct.pack(">H", port))
+    reply = s.recv(10)
+    if reply[1] != 0:
+        return f"SOCKS refused {reply[1]}"
+    s.sendall(b"GET / HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n")
+    data = b""
+    while chunk := s.recv(4096):
+        data += chunk
+    return data.split(b"\\r\\n\\r\\n", 1)[1].decode()
+"""
+
+
+def out(kc: BlockingKernelClient, code: str) -> str:
+    result = execute(kc, code)
+    assert result.reply["content"]["status"] == "ok", result.of_type("error") or result.text("stderr")
+    return result.text()
+
+
+def test_rules_let_through_only_what_they_name(kc: BlockingKernelClient, servers: tuple[int, int]) -> None:
+    a, b = servers
+    out(kc, FETCH + SOCKS)
+    assert out(kc, f"print(fetch({a}))") == "A\n"
+    denied = out(kc, f"print(fetch({b}))")
+    assert denied.startswith(f"HTTP 403: egress denied: 127.0.0.1:{b}")
+    assert out(kc, f"print(socks({a}), '|', socks({b}))") == "A | SOCKS refused 2\n"
+    if shutil.which("curl"):
+        assert out(kc, f"!curl -s http://127.0.0.1:{a}/") == "A"
+        assert out(kc, f"!curl -s -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{b}/") == "403"
+    # Without the proxy there is no way out: 127.0.0.1 is the sandbox's own loopback.
+    assert out(kc, f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {a}), 2)\n"
+                   "except OSError as e:\n    print(type(e).__name__)") == "ConnectionRefusedError\n"
+
+
+def test_rules_change_live_and_refusals_are_reported(kc: BlockingKernelClient, servers: tuple[int, int]) -> None:
+    a, b = servers
+    out(kc, FETCH)
+    assert out(kc, f"%egress allow 127.0.0.1:{b}") == f"egress: only 127.0.0.1:{a}, 127.0.0.1:{b}\n"
+    assert out(kc, f"print(fetch({a}), fetch({b}))") == "A B\n"
+    assert out(kc, f"%egress deny 127.0.0.1:{b}") == f"egress: only 127.0.0.1:{a}\n"
+    assert out(kc, f"print(fetch({b}))").startswith("HTTP 403")
+    shown = execute(kc, "%egress").of_type("display_data")[0]["data"]["text/plain"]
+    assert shown.splitlines()[0].split(None, 1) == ["rules", f"only 127.0.0.1:{a}"]
+    assert f"127.0.0.1:{b} — no rule allows" in shown
+
+    opened = execute(kc, "%egress open")
+    assert "every public destination is now reachable" in opened.text("stderr")
+    # Allow-all is public destinations only: the host's loopback still needs a rule.
+    assert "covers public destinations only" in out(kc, f"print(fetch({a}))")
+    out(kc, "%egress block-all")
+    assert out(kc, f"print(fetch({a}))").startswith("HTTP 403")
+    out(kc, f"%egress only 127.0.0.1:{a}")
+
+
+def test_bad_rules_are_refused_before_any_request(kc: BlockingKernelClient, servers: tuple[int, int]) -> None:
+    a, _ = servers
+    for line, message in (("%egress allow exa_mple..com", "invalid egress rule 'exa_mple..com'"),
+                          ("%egress only 10.0.0.0/33", "invalid egress rule '10.0.0.0/33'"),
+                          ("%egress deny 127.0.0.1:1", "not in the rules: 127.0.0.1:1"),
+                          (f"%egress deny 127.0.0.1:{a}", "removing the last rule would allow")):
+        result = execute(kc, line)
+        assert result.reply["content"]["status"] == "error"
+        [text] = result.text("stderr").splitlines()
+        assert message in text
+    assert f"only 127.0.0.1:{a}" in execute(kc, "%egress").of_type("display_data")[0]["data"]["text/plain"]
+
+
+def test_the_engine_api_stays_closed(kc: BlockingKernelClient, engine: EngineEndpoint) -> None:
+    port = int(engine.url.rsplit(":", 1)[1])
+    out(kc, FETCH + f"\n%egress allow 127.0.0.1:{port}")
+    assert "engine's API is never reachable" in out(kc, f"print(fetch({port}))")
+
+
+def test_api_validation_and_forks_with_their_own_rules(engine: EngineEndpoint, servers: tuple[int, int]) -> None:
+    a, b = servers
+    fetch = ("import urllib.request, sys\n"
+             "try:\n    print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())\n"
+             "except Exception as exc:\n    print(type(exc).__name__)")
+
+    async def scenario() -> None:
+        async with SandboxClient(engine.url, engine.token) as api:
+            with pytest.raises(BadRequestError) as caught:
+                await api.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb", egress=["no spaces allowed"]))
+            assert "invalid egress rule" in caught.value.user_message()
+            parent = (await api.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb",
+                                                                    egress=[f"127.0.0.1:{a}"]))).id
+            with pytest.raises(BadRequestError):
+                await api.set_egress(parent, ["http://scheme.example"])
+            assert (await api.get_egress(parent)).egress == [f"127.0.0.1:{a}"]
+
+            async def reach(sandbox_id: str, port: int) -> str:
+                result = await api.exec(sandbox_id, "python3", ["-c", fetch, f"http://127.0.0.1:{port}/"])
+                return result.result.stdout.strip()
+
+            await api.pause_sandbox(parent)
+            await wait_status(api, parent, SandboxStatus.PAUSED)
+            child = (await api.fork_sandbox(parent, ForkSandboxRequest(egress=[f"127.0.0.1:{b}"]))).id
+            await wait_status(api, child, SandboxStatus.RUNNING, timeout=30)
+            await api.resume_sandbox(parent)
+            await wait_status(api, parent, SandboxStatus.RUNNING)
+            assert (await reach(parent, a), await reach(parent, b)) == ("A", "HTTPError")
+            assert (await reach(child, a), await reach(child, b)) == ("HTTPError", "B")
+            for sandbox_id in (parent, child):
+                await api.delete_sandbox(sandbox_id)
+
+    asyncio.run(scenario())
