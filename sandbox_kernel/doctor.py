@@ -98,7 +98,8 @@ def report() -> tuple[bool, list[str]]:
         lines.append("  ✓ namespaces: " + ", ".join(NAMESPACES) + ", mount: a test sandbox started")
         lines.append("  ✓ filesystem: read-only /usr and Python environment; private /workspace and /tmp;"
                      " no host home, host /proc or host sockets")
-        lines.append("  ✓ network: loopback only (no network device)")
+        lines.append("  ✓ network: loopback only (no network device); out only through the engine's egress "
+                     "proxy (127.0.0.1:3128 inside), which applies the sandbox's rules")
         lines.append("  ✓ privileges: all capabilities dropped, no_new_privs (bwrap)")
     else:
         ok = False

@@ -93,7 +93,7 @@ def is_magic_line(line: str) -> bool:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise MagicError(f"{self.prog}: {message} (see {self.prog} help)")
+        raise MagicError(f"{self.prog}: {message} (see {self.prog.split()[0]} help)")
 
 
 def build_egress_parser() -> argparse.ArgumentParser:

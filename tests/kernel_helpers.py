@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.manager import KernelManager, start_new_kernel
 
 TIMEOUT = 120
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -50,3 +53,14 @@ def execute(kc: BlockingKernelClient, code: str, *, allow_stdin: bool = False,
     reply = kc.execute_interactive(code, allow_stdin=allow_stdin, stdin_hook=stdin_hook,
                                    output_hook=messages.append, timeout=timeout)
     return Execution(reply=reply, messages=messages)
+
+
+@contextlib.contextmanager
+def running_kernel(kernel_name: str, **kwargs: Any) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    """A kernel from the installed kernelspec, ready, shut down (and its sandbox with it) after."""
+    km, kc = start_new_kernel(kernel_name=kernel_name, startup_timeout=TIMEOUT, **kwargs)
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel()

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
-from jupyter_client.manager import KernelManager, start_new_kernel
+from jupyter_client.manager import KernelManager
 
 from engine_helpers import wait_status
-from kernel_helpers import TIMEOUT, execute
+from kernel_helpers import execute, running_kernel
 from sandbox_kernel.api import (
     BadRequestError,
     CreateSandboxRequest,
@@ -58,11 +58,8 @@ def servers() -> Iterator[tuple[int, int]]:
 @pytest.fixture(scope="module")
 def kernel(kernelspec: str, servers: tuple[int, int]) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
     a, _ = servers
-    km, kc = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT,
-                              extra_arguments=[f"--SandboxKernel.egress=127.0.0.1:{a}"])
-    yield km, kc
-    kc.stop_channels()
-    km.shutdown_kernel()
+    with running_kernel(kernelspec, extra_arguments=[f"--SandboxKernel.egress=127.0.0.1:{a}"]) as pair:
+        yield pair
 
 
 @pytest.fixture

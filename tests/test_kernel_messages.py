@@ -11,19 +11,17 @@ from collections.abc import Iterator
 
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
-from jupyter_client.manager import KernelManager, start_new_kernel
+from jupyter_client.manager import KernelManager
 
-from kernel_helpers import TIMEOUT, execute, is_status_line, plain_traceback
+from kernel_helpers import TIMEOUT, execute, is_status_line, plain_traceback, running_kernel
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
-    km, kc = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT)
-    yield km, kc
-    kc.stop_channels()
-    km.shutdown_kernel()
+    with running_kernel(kernelspec) as pair:
+        yield pair
 
 
 @pytest.fixture

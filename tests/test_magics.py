@@ -11,7 +11,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager, start_new_kernel
 
 from engine_helpers import sandbox_status
-from kernel_helpers import TIMEOUT, execute, is_status_line
+from kernel_helpers import TIMEOUT, execute, is_status_line, running_kernel
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.magics import PARSER, MagicError, describe_age, parse_time, split_cell
@@ -36,7 +36,8 @@ def test_bad_magic_lines_give_one_line(line: str, fragment: str) -> None:
     with pytest.raises(MagicError) as caught:
         PARSER.parse_args(line.split()[1:])
     message = str(caught.value)
-    assert fragment in message and "\n" not in message and message.startswith("%sandbox:")
+    assert fragment in message and "\n" not in message and message.startswith("%sandbox")
+    assert message.endswith("(see %sandbox help)")
 
 
 def test_timestamps_from_createos_and_the_local_engine() -> None:
@@ -75,10 +76,8 @@ def create_and_destroy(engine: EngineEndpoint) -> str:
 
 @pytest.fixture(scope="module")
 def kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
-    km, kc = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT)
-    yield km, kc
-    kc.stop_channels()
-    km.shutdown_kernel()
+    with running_kernel(kernelspec) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ class EgressGate:
         self.rules = rules
         self.proxy = EgressProxy(self._decide, blocked=blocked)
         self.task: asyncio.Task[None] | None = None
+        self.streams: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
 
     def _decide(self, host: str | None, address: IPv4Address | IPv6Address, port: int) -> Decision:
         return decide(self.rules(), host, address, port)
@@ -40,10 +41,13 @@ class EgressGate:
         self.task = asyncio.get_running_loop().create_task(self._listen())
 
     async def stop(self) -> None:
-        if self.task:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+        for task in (self.task, *self.streams):
+            if task:
+                task.cancel()
+        for task in (self.task, *self.streams):
+            if task:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _listen(self) -> None:
         """Take announcements for as long as the sandbox lives (reconnect if it drops)."""
@@ -52,8 +56,9 @@ class EgressGate:
                 async with self.agent().connection({"op": "egress_listen"}) as (reader, _):
                     await reader.readline()  # {"ok": true}
                     while line := await reader.readline():
-                        stream = json.loads(line)["stream"]
-                        asyncio.get_running_loop().create_task(self._serve(stream))
+                        task = asyncio.get_running_loop().create_task(self._serve(json.loads(line)["stream"]))
+                        self.streams.add(task)
+                        task.add_done_callback(self.streams.discard)
             except (AgentUnavailable, ConnectionError, ValueError, KeyError) as exc:
                 log.debug("egress channel: %s", exc)
             await asyncio.sleep(RECONNECT_DELAY)
