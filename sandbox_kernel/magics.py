@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 import html
-import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from . import egress_rules
 from .api import EgressView, SandboxView
+from .api.models import parse_rfc3339
 from .config import SHUTDOWN_POLICIES
+from .cost import Cost
 from .output import CellOutput
 from .session import SandboxSession
 
@@ -40,6 +41,8 @@ HELP = """\
                                   drive sandbox ID from this notebook; the previous sandbox is
                                   kept unless --destroy-previous; --fresh starts a new Python
                                   in it instead of keeping the one running there
+  %sandbox cost                   what this notebook's sandboxes (forks included) have cost
+                                  so far on CreateOS prices, running and paused
   %sandbox on-shutdown destroy|pause|keep
                                   what closing this notebook does to its sandbox
   %sandbox help                   this text
@@ -111,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="%sandbox", add_help=False)
     parser.add_argument("-h", "--help", action="store_true")
     sub = parser.add_subparsers(dest="command")
-    for name in ("status", "list", "pause", "resume", "help"):
+    for name in ("status", "list", "pause", "resume", "cost", "help"):
         sub.add_parser(name, add_help=False)
     fork = sub.add_parser("fork", add_help=False)
     fork.add_argument("--name")
@@ -129,24 +132,15 @@ PARSER = build_parser()
 EGRESS_PARSER = build_egress_parser()
 
 
-def parse_time(stamp: str | None) -> datetime | None:
-    """RFC3339 as CreateOS (Go, up to nanoseconds) or the local engine writes it."""
-    if not stamp:
-        return None
-    match = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)?$", stamp)
-    if not match:
-        return None
-    base, fraction, zone = match.groups()
-    fraction = (fraction or ".0")[:7]
-    zone = "+00:00" if zone in (None, "Z") else zone
-    return datetime.fromisoformat(base + fraction + zone)
-
-
 def describe_age(created_at: str | None, now: datetime | None = None) -> str:
-    created = parse_time(created_at)
+    created = parse_rfc3339(created_at)
     if created is None:
         return "?"
-    seconds = int(((now or datetime.now(timezone.utc)) - created).total_seconds())
+    return describe_seconds(((now or datetime.now(timezone.utc)) - created).total_seconds())
+
+
+def describe_seconds(seconds: float) -> str:
+    seconds = int(seconds)
     if seconds < 120:
         return f"{seconds} s"
     if seconds < 7200:
@@ -154,11 +148,16 @@ def describe_age(created_at: str | None, now: datetime | None = None) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
-def status_rows(view: SandboxView, provider: str, policy: str) -> list[tuple[str, str]]:
+def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost) -> list[tuple[str, str]]:
     return [("id", view.id), ("state", view.status.value), ("provider", provider),
             ("shape", f"{view.shape or '?'} ({view.vcpu} vCPU, {view.mem_mib} MiB)"),
             ("age", describe_age(view.created_at)), ("forked from", view.forked_from or "—"),
-            ("on shutdown", policy)]
+            ("on shutdown", policy), ("cost so far", describe_cost(cost))]
+
+
+def describe_cost(cost: Cost) -> str:
+    return (f"${cost.total:.4f} (running {describe_seconds(cost.running_seconds)}, "
+            f"paused {describe_seconds(cost.paused_seconds)})")
 
 
 def table(rows: list[tuple[str, str]]) -> dict[str, str]:
@@ -191,8 +190,22 @@ class SandboxMagics:
 
     async def do_status(self, _: argparse.Namespace) -> None:
         view = await self.session.view()
+        cost = self.session.meter.cost(view.id)
         self.out.display(table(status_rows(view, self.session.settings.description,
-                                           self.session.on_shutdown)))
+                                           self.session.on_shutdown, cost)))
+
+    async def do_cost(self, _: argparse.Namespace) -> None:
+        costs = await self.session.costs()
+        rows = [(c.sandbox_id + (" (this notebook)" if c.sandbox_id == self.session.sandbox_id else ""),
+                 describe_cost(c)) for c in costs]
+        rows.append(("total", f"${sum(c.total for c in costs):.4f}"))
+        book = self.session.meter.prices
+        rows.append(("prices", f"CreateOS, {book.dated}: ${book.vcpu_hour}/vCPU-h running, "
+                               f"${book.memory_gib_hour}/GiB-h memory running or paused, "
+                               f"${book.storage_gb_hour}/GB-h disk"))
+        if self.session.settings.provider == "local":
+            rows.append(("note", "local sandboxes are free: this is what they would cost on CreateOS"))
+        self.out.display(table(rows))
 
     async def do_list(self, _: argparse.Namespace) -> None:
         views = await self.session.list_sandboxes()

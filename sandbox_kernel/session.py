@@ -25,6 +25,7 @@ from .api import (
     CreateSandboxRequest,
     EgressView,
     ForkSandboxRequest,
+    NotFoundError,
     ProtocolError,
     SandboxAPIError,
     SandboxClient,
@@ -33,6 +34,7 @@ from .api import (
     ServerError,
 )
 from .config import Settings, open_client
+from .cost import Cost, Meter
 
 log = logging.getLogger("sandbox_kernel.session")
 
@@ -73,6 +75,9 @@ class SandboxSession:
         # What shutdown does with the sandbox: destroy what we created, keep what we adopted.
         self.on_shutdown = "destroy"
         self.fork_names: dict[str, str] = {}  # --name labels of the forks made here -> ids
+        # The cost meter, and every sandbox this notebook created, forked or drove.
+        self.meter = Meter()
+        self.known: list[str] = []
 
     # -- start ----------------------------------------------------------------------------
 
@@ -88,6 +93,7 @@ class SandboxSession:
                 created = await self.client.create_sandbox(
                     CreateSandboxRequest(shape=self.settings.shape, egress=self.settings.egress))
                 self.sandbox_id = created.id
+                self._track(await self.client.get_sandbox(created.id))
                 await self.start_runner()
         except SandboxAPIError as exc:
             raise SessionError(f"could not start a sandbox on {self.settings.description}: "
@@ -104,7 +110,7 @@ class SandboxSession:
         state, unless fresh_runner asks for a new one.
         """
         client = self._client()
-        view = await client.get_sandbox(sandbox_id)
+        view = self._track(await client.get_sandbox(sandbox_id))
         if view.status not in (SandboxStatus.RUNNING, SandboxStatus.PAUSED, SandboxStatus.PAUSING):
             raise SessionError(f"sandbox {view.id} is {view.status.value}: it cannot run cells")
         previous = (self.sandbox_id, self.on_shutdown, self.runner_info)
@@ -167,7 +173,24 @@ class SandboxSession:
 
     async def view(self) -> SandboxView:
         client, sandbox_id = self._require()
-        return await client.get_sandbox(sandbox_id)
+        return self._track(await client.get_sandbox(sandbox_id))
+
+    def _track(self, view: SandboxView) -> SandboxView:
+        """Remember a sandbox this notebook uses, and feed the cost meter its history."""
+        if view.id not in self.known:
+            self.known.append(view.id)
+        self.meter.observe(view)
+        return view
+
+    async def costs(self) -> list[Cost]:
+        """What every sandbox of this notebook has cost so far (on CreateOS prices)."""
+        client = self._client()
+        for sandbox_id in self.known:
+            try:
+                self._track(await client.get_sandbox(sandbox_id))
+            except NotFoundError:  # CreateOS may forget a destroyed sandbox
+                self.meter.note_gone(sandbox_id)
+        return [self.meter.cost(sandbox_id) for sandbox_id in self.known]
 
     async def list_sandboxes(self) -> list[SandboxView]:
         return await self._client().list_sandboxes()
@@ -216,7 +239,7 @@ class SandboxSession:
         started = time.monotonic()
         delay = POLL_FIRST
         while True:
-            view = await client.get_sandbox(sandbox_id)
+            view = self._track(await client.get_sandbox(sandbox_id))
             if view.status == target:
                 return view
             if view.status not in (SandboxStatus.PAUSING, SandboxStatus.RESUMING, SandboxStatus.FORKING,
@@ -306,6 +329,7 @@ class SandboxSession:
 
     async def destroy(self, sandbox_id: str) -> None:
         await self._client().delete_sandbox(sandbox_id)
+        self.meter.note_gone(sandbox_id)
 
     async def shutdown(self, policy: str | None = None) -> None:
         """Close the session; the sandbox is destroyed, paused or kept per `policy`."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from datetime import datetime, timezone
 
@@ -14,7 +15,8 @@ from engine_helpers import sandbox_status
 from kernel_helpers import TIMEOUT, execute, is_status_line, running_kernel
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
-from sandbox_kernel.magics import PARSER, MagicError, describe_age, parse_time, split_cell
+from sandbox_kernel.api.models import parse_rfc3339 as parse_time
+from sandbox_kernel.magics import PARSER, MagicError, describe_age, split_cell
 
 # -- parsing (no kernel) ------------------------------------------------------------------
 
@@ -125,6 +127,7 @@ def test_status_is_a_table(kc: BlockingKernelClient, sandbox_id: str) -> None:
     assert text.splitlines()[0].split() == ["id", sandbox_id]
     assert "state        running" in text and "s-1vcpu-1gb (1 vCPU, 1024 MiB)" in text
     assert "forked from  —" in text and "on shutdown  destroy" in text
+    assert re.search(r"cost so far  \$0\.\d{4} \(running \d+ s, paused \d+ s\)", text)
     assert page.startswith("<table>") and f"<td>{sandbox_id}</td>" in page
 
 
@@ -219,3 +222,13 @@ def test_start_attached_by_kernel_argument(kernelspec: str, kc: BlockingKernelCl
         kc2.stop_channels()
         km2.shutdown_kernel()
     assert sandbox_status(engine, sandbox_id) == SandboxStatus.RUNNING
+
+
+@pytest_slow
+def test_cost_covers_this_notebooks_sandboxes(kc: BlockingKernelClient, sandbox_id: str) -> None:
+    [shown] = execute(kc, "%sandbox cost").of_type("display_data")
+    text = shown["data"]["text/plain"]
+    assert re.search(rf"{sandbox_id} \(this notebook\)\s+\$0\.\d{{4}} \(running", text)
+    assert re.search(r"total\s+\$0\.\d{4}", text)
+    assert "CreateOS, 2026-10-17: $0.03616363/vCPU-h running" in text
+    assert "local sandboxes are free: this is what they would cost on CreateOS" in text

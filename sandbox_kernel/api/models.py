@@ -15,6 +15,8 @@ Shared by the client and by the local engine's server, so they describe the wire
 
 from __future__ import annotations
 
+import re
+from datetime import datetime
 from enum import Enum
 from typing import Any, Generic, List, Optional, TypeVar, Union
 
@@ -50,6 +52,7 @@ __all__ = [
     "Page",
     "FileUploadResponse",
     "AUTO_PAUSE_MIN_SECONDS",
+    "parse_rfc3339",
     "AUTO_PAUSE_MAX_SECONDS",
 ]
 
@@ -364,3 +367,16 @@ class Page(WireModel, Generic[T]):
 class FileUploadResponse(WireModel):
     bytes: Optional[int] = None
     path: Optional[str] = None
+
+
+def parse_rfc3339(stamp: str | None) -> datetime | None:
+    """RFC3339 as CreateOS (Go, up to nanoseconds) or the local engine writes it."""
+    if not stamp:
+        return None
+    match = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)?$", stamp)
+    if not match:
+        return None
+    base, fraction, zone = match.groups()
+    fraction = (fraction or ".0")[:7]
+    zone = "+00:00" if zone in (None, "Z") else zone
+    return datetime.fromisoformat(base + fraction + zone)
