@@ -9,10 +9,10 @@ from datetime import datetime, timezone
 
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
-from jupyter_client.manager import KernelManager, start_new_kernel
+from jupyter_client.manager import KernelManager
 
 from engine_helpers import sandbox_status
-from kernel_helpers import TIMEOUT, execute, is_status_line, running_kernel
+from kernel_helpers import execute, is_status_line, running_kernel
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.api.models import parse_rfc3339 as parse_time
@@ -173,17 +173,13 @@ def test_list_marks_this_notebook(kc: BlockingKernelClient, sandbox_id: str) -> 
 def test_attach_drives_another_sandbox_with_its_state(kernelspec: str, kc: BlockingKernelClient,
                                                      sandbox_id: str, engine: EngineEndpoint) -> None:
     execute(kc, "shared_secret = 'from the first notebook'")
-    km2, kc2 = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT)
-    try:
+    with running_kernel(kernelspec) as (_, kc2):
         own_id = execute(kc2, "import os\nprint(os.environ['SANDBOX_ID'])").text().strip()
         attached = execute(kc2, f"%sandbox attach {sandbox_id} --destroy-previous")
         assert attached.reply["content"]["status"] == "ok"
         assert f"Destroyed the previous sandbox {own_id}" in attached.text()
         assert sandbox_status(engine, own_id) == SandboxStatus.DESTROYED
         assert execute(kc2, "print(shared_secret)").text() == "from the first notebook\n"
-    finally:
-        kc2.stop_channels()
-        km2.shutdown_kernel()
     assert sandbox_status(engine, sandbox_id) == SandboxStatus.RUNNING
 
 
@@ -192,20 +188,17 @@ def test_start_attached_and_shutdown_policies(kernelspec: str, kc: BlockingKerne
                                               engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     execute(kc, "marker = 42")
     monkeypatch.setenv("SANDBOX_KERNEL_SANDBOX_ID", sandbox_id)
-    km2, kc2 = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT)
-    monkeypatch.delenv("SANDBOX_KERNEL_SANDBOX_ID")
-    assert execute(kc2, "print(marker)").text() == "42\n"
-    assert "on shutdown  keep" in execute(kc2, "%sandbox status").of_type("display_data")[0]["data"]["text/plain"]
-    kc2.stop_channels()
-    km2.shutdown_kernel()
+    with running_kernel(kernelspec) as (_, kc2):
+        monkeypatch.delenv("SANDBOX_KERNEL_SANDBOX_ID")
+        assert execute(kc2, "print(marker)").text() == "42\n"
+        status = execute(kc2, "%sandbox status").of_type("display_data")[0]["data"]["text/plain"]
+        assert "on shutdown  keep" in status
     assert sandbox_status(engine, sandbox_id) == SandboxStatus.RUNNING  # adopted, so kept
 
-    km3, kc3 = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT)
-    third_id = execute(kc3, "import os\nprint(os.environ['SANDBOX_ID'])").text().strip()
-    assert execute(kc3, "%sandbox on-shutdown pause").text() == \
-        f"When this notebook shuts down, sandbox {third_id} will be paused\n"
-    kc3.stop_channels()
-    km3.shutdown_kernel()
+    with running_kernel(kernelspec) as (_, kc3):
+        third_id = execute(kc3, "import os\nprint(os.environ['SANDBOX_ID'])").text().strip()
+        assert execute(kc3, "%sandbox on-shutdown pause").text() == \
+            f"When this notebook shuts down, sandbox {third_id} will be paused\n"
     assert sandbox_status(engine, third_id) in (SandboxStatus.PAUSING, SandboxStatus.PAUSED)
     destroy(engine, third_id)
 
@@ -214,13 +207,8 @@ def test_start_attached_and_shutdown_policies(kernelspec: str, kc: BlockingKerne
 def test_start_attached_by_kernel_argument(kernelspec: str, kc: BlockingKernelClient, sandbox_id: str,
                                            engine: EngineEndpoint) -> None:
     execute(kc, "argument_marker = 'seen'")
-    km2, kc2 = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT,
-                                extra_arguments=[f"--SandboxKernel.sandbox_id={sandbox_id}"])
-    try:
+    with running_kernel(kernelspec, extra_arguments=[f"--SandboxKernel.sandbox_id={sandbox_id}"]) as (_, kc2):
         assert execute(kc2, "print(argument_marker)").text() == "seen\n"
-    finally:
-        kc2.stop_channels()
-        km2.shutdown_kernel()
     assert sandbox_status(engine, sandbox_id) == SandboxStatus.RUNNING
 
 
