@@ -33,17 +33,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 from urllib.parse import urlsplit
 
-try:  # The rule engine defines the shared Decision shape; fall back to a minimal one.
-    from ..egress_rules import Decision  # type: ignore[import-not-found,attr-defined]
-except ImportError:  # pragma: no cover - depends on whether egress_rules exists yet
-
-    @dataclass(frozen=True)
-    class Decision:  # type: ignore[no-redef]
-        """Minimal stand-in for sandbox_kernel.egress_rules.Decision (same shape)."""
-
-        allowed: bool
-        reason: str
-
+from ..egress_rules import Decision
 
 log = logging.getLogger(__name__)
 
