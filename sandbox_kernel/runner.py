@@ -101,8 +101,9 @@ def run_client(command: str, state_dir: str, message: dict) -> int:
         return _client_error(out, "daemon unreachable: %s" % exc)
     if first.startswith(b'{"error"'):
         return 1
-    if command == "run" and b'"type": "done"' not in last:
-        # The daemon went away mid-cell; a partial line may have been copied.
+    if command == "run" and message.get("wait") is None and b'"type": "done"' not in last:
+        # The daemon went away mid-cell (a polling run ends early on purpose); a partial
+        # line may have been copied.
         out.write(b"\n")
         return _client_error(out, "connection to the daemon was lost")
     return 0
@@ -1083,12 +1084,13 @@ class Daemon:
     def _stream(self, connection: socket.socket, request: dict) -> None:
         """Send a cell's events with seq > after, until done or ``wait`` seconds."""
         after = int(request.get("after") or 0)
+        # "wait": return after that many seconds even if the cell is not done (polling
+        # clients, when the sandbox service cannot stream an exec's output).
+        wait = request.get("wait")
         if request["op"] == "run":
             cell = self._submit(request)
-            wait = None
         else:
             cell = self._cells.get(_checked_cell_id(request.get("cell_id")))
-            wait = request.get("wait")
         if cell is None:
             connection.sendall(_encode_line({"seq": after + 1, "type": "done", "status": "unknown"}))
             return

@@ -46,6 +46,8 @@ SANDBOX_PYTHON = "python3"
 MAX_INLINE_CODE = 64 * 1024
 RUNNER_READY_TIMEOUT = 30.0
 RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
+# Without streaming exec, each buffered exec returns a cell's new events after at most this.
+POLL_WAIT = 1.0
 
 # Polling a transition (pause, resume, fork): locally it takes milliseconds, on CreateOS
 # it can take minutes; doubling from 20 ms to 2 s serves both with few requests.
@@ -61,6 +63,10 @@ class SessionError(Exception):
     """Something the notebook user should read as one line."""
 
 
+class StreamingUnavailable(Exception):
+    """The sandbox service cannot stream exec output (CreateOS: 404, or an `error` frame)."""
+
+
 def encode_arg(message: dict[str, Any]) -> str:
     return base64.b64encode(json.dumps(message).encode()).decode()
 
@@ -72,6 +78,9 @@ class SandboxSession:
         self.sandbox_id: str | None = None
         self.runner_info: dict[str, Any] = {}
         self.boot_seconds: float | None = None
+        # Streaming exec is the fast path; some CreateOS versions lack it, then cells are
+        # followed by polling the runner's journal with short buffered execs.
+        self.streaming = True
         # What shutdown does with the sandbox: destroy what we created, keep what we adopted.
         self.on_shutdown = "destroy"
         self.fork_names: dict[str, str] = {}  # --name labels of the forks made here -> ids
@@ -293,17 +302,30 @@ class SandboxSession:
         else:
             request["code"] = code
         stream = _EventStream(on_event)
-        done = await stream.follow(self, ["run", RUNNER_DIR, encode_arg(request)])
-        for delay in RECONNECT_DELAYS:
-            if done is not None:
-                return done
-            await asyncio.sleep(delay)
-            attach = {"cell_id": cell_id, "after": stream.last_seq, "wait": None}
-            done = await stream.follow(self, ["attach", RUNNER_DIR, encode_arg(attach)])
-        if done is None:
-            raise SessionError("lost the connection to the sandbox while a cell was running; "
-                               "its output so far is shown above")
+        done = await self._follow(stream, "run", request)
+        failures = 0
+        while done is None:
+            if stream.broken:  # a dropped or failed exec: try again, a bounded number of times
+                if failures == len(RECONNECT_DELAYS):
+                    raise SessionError("lost the connection to the sandbox while a cell was running; "
+                                       "its output so far is shown above")
+                await asyncio.sleep(RECONNECT_DELAYS[failures])
+                failures += 1
+            progress = stream.last_seq
+            done = await self._follow(stream, "attach", {"cell_id": cell_id, "after": stream.last_seq})
+            if stream.last_seq > progress:
+                failures = 0
         return done
+
+    async def _follow(self, stream: _EventStream, command: str, message: dict[str, Any]) -> dict[str, Any] | None:
+        """One exec of the runner client: streamed if the service can, else one poll."""
+        if self.streaming:
+            try:
+                return await stream.follow(self, [command, RUNNER_DIR, encode_arg({**message, "wait": None})])
+            except StreamingUnavailable as exc:
+                log.warning("streaming exec unavailable (%s): following cells by polling", exc)
+                self.streaming = False
+        return await stream.poll(self, [command, RUNNER_DIR, encode_arg({**message, "wait": POLL_WAIT})])
 
     async def runner_request(self, message: dict[str, Any]) -> dict[str, Any]:
         """One-shot runner operation (interrupt, input, complete, inspect, info)."""
@@ -352,12 +374,15 @@ class _EventStream:
     def __init__(self, on_event: EventHandler) -> None:
         self.on_event = on_event
         self.last_seq = 0
+        self.broken = False  # did the last exec fail (rather than end or time out)?
 
     async def follow(self, session: SandboxSession, runner_args: list[str]) -> dict[str, Any] | None:
         """Deliver new events until `done` (returned) or the stream breaks (None)."""
         client, sandbox_id = session._require()
         pending = ""
         stderr = ""
+        seen_output = False
+        self.broken = True
         try:
             async with client.exec_stream(sandbox_id, SANDBOX_PYTHON,
                                           ["-I", "-S", RUNNER_PATH, *runner_args]) as frames:
@@ -365,9 +390,12 @@ class _EventStream:
                     if frame.stderr:
                         stderr += frame.stderr
                     if frame.error:
+                        if not seen_output:  # the command never ran: the service cannot stream
+                            raise StreamingUnavailable(f"error frame: {frame.error}")
                         log.warning("exec stream error frame: %s", frame.error)
                         return None
                     if frame.stdout:
+                        seen_output = True
                         pending += frame.stdout
                         *lines, pending = pending.split("\n")
                         for line in lines:
@@ -377,8 +405,31 @@ class _EventStream:
                     if frame.exit_code not in (None, 0):
                         raise SessionError("the Python runner in the sandbox failed: "
                                            + (stderr.strip().splitlines() or ["no output"])[-1])
+        except NotFoundError as exc:
+            await session.view()  # raises NotFoundError itself if the sandbox is gone
+            raise StreamingUnavailable(str(exc)) from None
         except RECOVERABLE as exc:
             log.warning("exec stream dropped after seq %d: %s", self.last_seq, exc)
+        return None
+
+    async def poll(self, session: SandboxSession, runner_args: list[str]) -> dict[str, Any] | None:
+        """One buffered exec: deliver the events it returns; `done` if the cell finished."""
+        client, sandbox_id = session._require()
+        self.broken = True
+        try:
+            response = await client.exec(sandbox_id, SANDBOX_PYTHON, ["-I", "-S", RUNNER_PATH, *runner_args])
+        except RECOVERABLE as exc:
+            log.warning("exec poll failed after seq %d: %s", self.last_seq, exc)
+            return None
+        result = response.result
+        if result.exit_code != 0:
+            raise SessionError("the Python runner in the sandbox failed: "
+                               + ((result.error or result.stderr).strip().splitlines() or ["no output"])[-1])
+        self.broken = False
+        for line in result.stdout.split("\n"):
+            done = await self._deliver(line)
+            if done is not None:
+                return done
         return None
 
     async def _deliver(self, line: str) -> dict[str, Any] | None:

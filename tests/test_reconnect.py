@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from cutting_proxy import CuttingProxy
+from fault_proxy import FaultProxy
 from kernel_helpers import TIMEOUT, execute
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_dropped_stream_resumes_without_loss_or_duplicates(
         kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     engine_port = int(engine.url.rsplit(":", 1)[1])
-    with CuttingProxy(engine_port, cut_after_bytes=1500, max_cuts=3) as proxy:
+    with FaultProxy(engine_port, cut_after_bytes=1500, max_cuts=3) as proxy:
         # The CreateOS code path, pointed at the local engine through the proxy.
         monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", f"http://127.0.0.1:{proxy.port}")
         monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", engine.token)

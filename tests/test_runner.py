@@ -397,6 +397,17 @@ def test_attach_with_wait_returns_while_running(daemon):
     client.wait(5)
 
 
+def test_run_with_wait_submits_and_returns_early(daemon):
+    """How a cell starts when the service cannot stream: later events come by attach."""
+    cell_id = new_cell_id()
+    started = daemon.command("run", {"cell_id": cell_id, "code": "import time\nprint('x', flush=True)\n"
+                                     "time.sleep(1.5)\nprint('y')", "wait": 0.5})
+    assert started.returncode == 0
+    assert [event["type"] for event in parse(started.stdout)] == ["started", "stream"]
+    rest = daemon.attach(cell_id, after=2, wait=None)
+    assert [event["type"] for event in rest] == ["stream", "done"] and rest[0]["text"] == "y\n"
+
+
 def test_resume_after_client_killed(daemon):
     cell_id = new_cell_id()
     code = "import time\nfor i in range(40):\n    print(i, flush=True)\n    time.sleep(0.02)"

@@ -1,5 +1,7 @@
-"""A loopback TCP proxy that cuts streaming exec connections after a number of bytes
-(the first `max_cuts` of them; later ones pass, so a run always ends).
+"""A loopback TCP proxy in front of the real engine that breaks streaming exec the ways
+CreateOS can: it cuts the first `max_cuts` streams after a number of bytes (later ones
+pass, so a run always ends), or answers every streaming exec with `stream_reply` (a 404,
+or an `error` frame) as services without streaming exec do.
 
 It sits between a kernel and the real local engine, so the kernel's session meets a
 real dropped connection mid-cell (what a CreateOS gateway timeout looks like).
@@ -11,18 +13,21 @@ import asyncio
 import threading
 
 
-class CuttingProxy:
-    def __init__(self, upstream_port: int, cut_after_bytes: int, max_cuts: int) -> None:
+class FaultProxy:
+    def __init__(self, upstream_port: int, cut_after_bytes: int = 0, max_cuts: int = 0,
+                 stream_reply: bytes | None = None) -> None:
         self.upstream_port = upstream_port
         self.cut_after_bytes = cut_after_bytes
         self.max_cuts = max_cuts
+        self.stream_reply = stream_reply
         self.cuts = 0
+        self.refused_streams = 0
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> CuttingProxy:
+    def __enter__(self) -> FaultProxy:
         self._thread.start()
         self._ready.wait(10)
         return self
@@ -49,6 +54,12 @@ class CuttingProxy:
             while data := await client_r.read(65536):
                 if data[:8].split(b" ")[0] in (b"GET", b"POST", b"PUT", b"DELETE", b"PATCH"):
                     state.update(streaming=b"stream=true" in data.split(b"\r\n")[0], relayed=0)
+                    if state["streaming"] and self.stream_reply is not None:
+                        self.refused_streams += 1
+                        client_w.write(self.stream_reply)
+                        client_w.close()  # flushes the reply before the connection ends
+                        await client_w.wait_closed()
+                        return
                 upstream_w.write(data)
                 await upstream_w.drain()
 

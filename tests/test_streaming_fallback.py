@@ -1,0 +1,43 @@
+"""When the service cannot stream exec output (some CreateOS versions answer 404, or send
+an `error` frame), cells are followed by polling the runner's journal with short buffered
+execs: slower, but nothing is lost or repeated."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fault_proxy import FaultProxy
+from kernel_helpers import execute, running_kernel
+from sandbox_kernel.local.service import EngineEndpoint
+
+pytestmark = pytest.mark.slow
+
+NOT_FOUND = json.dumps({"status": "fail", "data": "not found"}).encode()
+REPLIES = {
+    "404": (b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: " + str(len(NOT_FOUND)).encode() + b"\r\n\r\n" + NOT_FOUND),
+    "error frame": (b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nConnection: close\r\n\r\n"
+                    b'{"error": "agent error: sandbox not found"}\n{"exit_code": -1}\n'),
+}
+
+
+@pytest.mark.parametrize("failure", list(REPLIES))
+def test_cells_run_by_polling_when_streaming_is_unavailable(
+        failure: str, kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine_port = int(engine.url.rsplit(":", 1)[1])
+    with FaultProxy(engine_port, stream_reply=REPLIES[failure]) as proxy:
+        monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", f"http://127.0.0.1:{proxy.port}")
+        monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", engine.token)
+        with running_kernel(kernelspec) as (_, kc):
+            result = execute(kc, "import time\nfor i in range(30):\n    print(i, flush=True)\n"
+                                 "    time.sleep(0.05)\n'finished'")
+            assert result.reply["content"]["status"] == "ok", result.text("stderr") or result.of_type("error")
+            assert result.text() == "".join(f"{i}\n" for i in range(30))
+            assert result.of_type("execute_result")[0]["data"]["text/plain"] == "'finished'"
+            # Followed while it ran (about 1.5 s, polled every second), not only at the end.
+            assert len([m for m in result.outputs if m["msg_type"] == "stream"]) >= 2
+            error = execute(kc, "1 / 0").of_type("error")
+            assert error[0]["ename"] == "ZeroDivisionError"
+        assert proxy.refused_streams == 1, "after the first refusal the session stops asking"
