@@ -28,8 +28,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_install(args: argparse.Namespace) -> int:
     from .kernelspec import install
 
-    where = install(name=args.name, sys_prefix=args.sys_prefix, prefix=args.prefix)
-    print(f"Installed kernelspec {args.name!r} (\"Python (sandbox)\") in {where}")
+    env = {key: value for key, value in (
+        ("SANDBOX_KERNEL_PROVIDER", args.provider), ("SANDBOX_KERNEL_SHAPE", args.shape),
+        ("SANDBOX_KERNEL_EGRESS", args.egress), ("SANDBOX_KERNEL_AUTO_PAUSE", args.auto_pause),
+        ("SANDBOX_KERNEL_ON_SHUTDOWN", args.on_shutdown)) if value}
+    Settings.from_env({**env, "CREATEOS_SANDBOX_API_KEY": "checked-later"})  # refuse bad values now
+    name = args.name or ("sandbox-createos" if args.provider == "createos" else "sandbox")
+    display = "Python (CreateOS sandbox)" if args.provider == "createos" else "Python (sandbox)"
+    if args.shape:
+        display = display[:-1] + f", {args.shape})"
+    where = install(name=name, sys_prefix=args.sys_prefix, prefix=args.prefix, env=env, display_name=display)
+    print(f"Installed kernelspec {name!r} ({display!r}) in {where}")
+    if args.provider == "createos":
+        print("The kernel reads CREATEOS_SANDBOX_API_KEY from its environment (never from the kernelspec).")
     return 0
 
 
@@ -74,7 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--user", action="store_true", help="for this user (the default)")
     where.add_argument("--sys-prefix", action="store_true", help="into this Python environment")
     where.add_argument("--prefix", help="under this prefix")
-    install.add_argument("--name", default="sandbox", help="kernelspec name (default: sandbox)")
+    install.add_argument("--name", help="kernelspec name (default: sandbox, or sandbox-createos)")
+    install.add_argument("--provider", choices=("local", "createos"),
+                         help="pin the provider (default: CreateOS when a key is set, else local)")
+    install.add_argument("--shape", help="sandbox shape, e.g. s-2vcpu-4gb")
+    install.add_argument("--egress", help="egress rules for new sandboxes, comma-separated")
+    install.add_argument("--auto-pause", help="seconds idle before a sandbox pauses (60-86400, or off)")
+    install.add_argument("--on-shutdown", choices=("destroy", "pause", "keep"))
     install.set_defaults(run=cmd_install)
 
     run = sub.add_parser("run", help="execute a notebook headless in a sandbox and print its outputs")

@@ -19,6 +19,9 @@ from .paths import state_dir
 
 DEFAULT_BASE_URL = "https://api.sb.createos.sh"
 DEFAULT_SHAPE = "s-1vcpu-1gb"
+# A sandbox the kernel creates pauses itself after this long with no exec: a crashed or
+# forgotten kernel stops using (and on CreateOS, paying for) vCPU. The next cell resumes it.
+DEFAULT_AUTO_PAUSE = 1800
 SHUTDOWN_POLICIES = ("destroy", "pause", "keep")
 LOCAL_ENGINE_URL_FOR_UDS = "http://localhost"
 
@@ -38,6 +41,7 @@ class Settings:
     attach_to: str | None = None  # drive this existing sandbox instead of creating one
     on_shutdown: str | None = None  # destroy | pause | keep; None: destroy ours, keep adopted
     egress: list[str] | None = None  # rules for a sandbox the kernel creates; None: allow all
+    auto_pause: int | None = DEFAULT_AUTO_PAUSE  # seconds; None: never
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -52,7 +56,7 @@ class Settings:
         transport = env.get("SANDBOX_KERNEL_ENGINE_TRANSPORT", "unix")
         if transport not in ("unix", "tcp"):
             raise ConfigError(f"SANDBOX_KERNEL_ENGINE_TRANSPORT must be 'unix' or 'tcp', not {transport!r}")
-        return cls(provider=provider,
+        return cls(provider=provider, auto_pause=auto_pause_from(env.get("SANDBOX_KERNEL_AUTO_PAUSE")),
                    shape=env.get("SANDBOX_KERNEL_SHAPE") or DEFAULT_SHAPE,
                    base_url=env.get("CREATEOS_SANDBOX_BASE_URL") or DEFAULT_BASE_URL,
                    api_key=api_key, engine_transport=transport,
@@ -78,6 +82,21 @@ class Settings:
     @property
     def description(self) -> str:
         return "CreateOS" if self.provider == "createos" else "the local engine"
+
+
+def auto_pause_from(text: str | None) -> int | None:
+    """SANDBOX_KERNEL_AUTO_PAUSE: seconds (60-86400, as CreateOS allows), or 0/off for never."""
+    if text is None or not text.strip():
+        return DEFAULT_AUTO_PAUSE
+    if text.strip().lower() in ("0", "off", "never"):
+        return None
+    try:
+        seconds = int(text)
+    except ValueError:
+        seconds = -1
+    if not 60 <= seconds <= 86400:
+        raise ConfigError(f"SANDBOX_KERNEL_AUTO_PAUSE must be 60-86400 seconds or off, not {text!r}")
+    return seconds
 
 
 async def open_client(settings: Settings, state: Path | None = None) -> SandboxClient:

@@ -26,8 +26,14 @@ def spec_source() -> Traversable:
     return files("sandbox_kernel.kernelspec_files")
 
 
-def install(name: str = "sandbox", sys_prefix: bool = False, prefix: str | None = None) -> str:
-    """Install the kernelspec (per user unless sys_prefix or prefix is given); return its dir."""
+def install(name: str = "sandbox", sys_prefix: bool = False, prefix: str | None = None,
+            env: dict[str, str] | None = None, display_name: str | None = None) -> str:
+    """Install the kernelspec (per user unless sys_prefix or prefix is given); return its dir.
+
+    `env` is set for the kernel (provider, shape, egress...); never pass a key here: a
+    kernelspec is a plain file, and the kernel reads CREATEOS_SANDBOX_API_KEY from the
+    environment it is started in.
+    """
     source = spec_source()
     with tempfile.TemporaryDirectory() as tmp:
         for filename in SPEC_FILES:
@@ -37,6 +43,10 @@ def install(name: str = "sandbox", sys_prefix: bool = False, prefix: str | None 
         spec = json.loads(spec_path.read_text())
         # The kernel must run with the Python that has sandbox_kernel installed.
         spec["argv"][0] = sys.executable
+        if env:
+            spec["env"] = env
+        if display_name:
+            spec["display_name"] = display_name
         spec_path.write_text(json.dumps(spec, indent=2) + "\n")
         if sys_prefix:
             prefix = sys.prefix

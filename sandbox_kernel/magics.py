@@ -152,6 +152,8 @@ def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost) -> li
     return [("id", view.id), ("state", view.status.value), ("provider", provider),
             ("shape", f"{view.shape or '?'} ({view.vcpu} vCPU, {view.mem_mib} MiB)"),
             ("age", describe_age(view.created_at)), ("forked from", view.forked_from or "—"),
+            ("auto-pause", f"after {describe_seconds(view.auto_pause_after_seconds)} idle"
+             if view.auto_pause_after_seconds else "off"),
             ("on shutdown", policy), ("cost so far", describe_cost(cost))]
 
 

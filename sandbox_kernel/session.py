@@ -100,7 +100,8 @@ class SandboxSession:
                 await self.attach(attach_to, fresh_runner=fresh_runner)
             else:
                 created = await self.client.create_sandbox(
-                    CreateSandboxRequest(shape=self.settings.shape, egress=self.settings.egress))
+                    CreateSandboxRequest(shape=self.settings.shape, egress=self.settings.egress,
+                                         auto_pause_after_seconds=self.settings.auto_pause))
                 self.sandbox_id = created.id
                 self._track(await self.client.get_sandbox(created.id))
                 await self.start_runner()

@@ -1,0 +1,64 @@
+"""The command line: kernelspec variants, ls/rm against the engine, doctor."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from engine_helpers import sandbox_status
+from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
+from sandbox_kernel.local.service import EngineEndpoint
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sandbox_kernel", *args], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+def test_install_a_createos_variant_without_the_key(tmp_path: Path) -> None:
+    done = cli("install", "--prefix", str(tmp_path), "--provider", "createos", "--shape", "s-2vcpu-4gb",
+               "--egress", "pypi.org,files.pythonhosted.org:443", CREATEOS_SANDBOX_API_KEY="sk_never_written")
+    assert done.returncode == 0, done.stderr
+    spec_file = tmp_path / "share" / "jupyter" / "kernels" / "sandbox-createos" / "kernel.json"
+    spec = json.loads(spec_file.read_text())
+    assert spec["display_name"] == "Python (CreateOS sandbox, s-2vcpu-4gb)"
+    assert spec["env"] == {"SANDBOX_KERNEL_PROVIDER": "createos", "SANDBOX_KERNEL_SHAPE": "s-2vcpu-4gb",
+                           "SANDBOX_KERNEL_EGRESS": "pypi.org,files.pythonhosted.org:443"}
+    assert spec["interrupt_mode"] == "message" and spec["argv"][0] == sys.executable
+    assert "sk_never_written" not in spec_file.read_text() + done.stdout + done.stderr
+
+
+def test_install_refuses_bad_values_in_one_line(tmp_path: Path) -> None:
+    done = cli("install", "--prefix", str(tmp_path), "--egress", "10.0.0.0/33")
+    assert done.returncode == 1
+    assert done.stderr.startswith("sandbox-kernel: invalid egress rule '10.0.0.0/33': bad CIDR")
+    assert done.stderr.count("\n") == 1
+    assert not (tmp_path / "share").exists()
+
+
+def test_ls_and_rm_against_the_engine(engine: EngineEndpoint) -> None:
+    async def create() -> str:
+        async with SandboxClient(engine.url, engine.token) as client:
+            return (await client.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb", name="cli-test"))).id
+
+    sandbox_id = asyncio.run(create())
+    listed = cli("ls")
+    assert listed.returncode == 0, listed.stderr
+    assert any(line.startswith(sandbox_id) and "cli-test" in line for line in listed.stdout.splitlines())
+    removed = cli("rm", sandbox_id)
+    assert removed.stdout == f"{sandbox_id}: destroyed\n"
+    assert sandbox_status(engine, sandbox_id) == SandboxStatus.DESTROYED
+    missing = cli("rm", "sb-no-such")
+    assert missing.returncode == 1 and missing.stderr.startswith("sandbox-kernel: sandbox not found")
+
+
+def test_doctor_says_what_holds(engine: EngineEndpoint) -> None:
+    done = cli("doctor")
+    assert done.returncode == 0, done.stdout
+    for expected in ("✓ namespaces: user, pid, net, ipc, uts, mount", "✓ pause:", "✓ fork:",
+                     "✓ network: loopback only", "✗ limits:", "engine: running"):
+        assert expected in done.stdout
