@@ -51,10 +51,7 @@ from .models import (
     StatusAck,
 )
 
-try:
-    from .. import __version__ as _VERSION
-except Exception:  # pragma: no cover - the package __init__ always defines it
-    _VERSION = "0"
+from .. import __version__ as _VERSION
 
 __all__ = ["SandboxClient", "ExecStream", "USER_AGENT", "PUBLIC_ROUTES", "PAGE_LIMIT"]
 
@@ -537,8 +534,8 @@ class SandboxClient:
                 method="GET",
                 path=self._prefix + route,
             )
-        parse_response(response, method="GET", path=self._prefix + route, secrets=self._secrets)
-        raise protocol_error(  # pragma: no cover - parse_response always raises for non-2xx
-            "unexpected response", response, method="GET", path=self._prefix + route
-        )
+        if 300 <= response.status_code < 400:
+            raise protocol_error(f"unexpected redirect (HTTP {response.status_code})", response,
+                                 method="GET", path=self._prefix + route)
+        raise error_from_response(response, method="GET", path=self._prefix + route, secrets=self._secrets)
 
