@@ -1,7 +1,8 @@
 """A loopback TCP proxy in front of the real engine that breaks streaming exec the ways
 CreateOS can: it cuts the first `max_cuts` streams after a number of bytes (later ones
-pass, so a run always ends), or answers every streaming exec with `stream_reply` (a 404,
-or an `error` frame) as services without streaming exec do.
+pass, so a run always ends), answers every streaming exec with `stream_reply` (a 404,
+or an `error` frame) as services without streaming exec do, or answers the first sandbox
+creations with `create_replies` (401, 402, 429, 503...), one each, then lets them through.
 
 It sits between a kernel and the real local engine, so the kernel's session meets a
 real dropped connection mid-cell (what a CreateOS gateway timeout looks like).
@@ -15,11 +16,13 @@ import threading
 
 class FaultProxy:
     def __init__(self, upstream_port: int, cut_after_bytes: int = 0, max_cuts: int = 0,
-                 stream_reply: bytes | None = None) -> None:
+                 stream_reply: bytes | None = None, create_replies: list[bytes] | None = None) -> None:
         self.upstream_port = upstream_port
         self.cut_after_bytes = cut_after_bytes
         self.max_cuts = max_cuts
         self.stream_reply = stream_reply
+        self.create_replies = list(create_replies or [])
+        self.creates_seen = 0
         self.cuts = 0
         self.refused_streams = 0
         self.port = 0
@@ -53,10 +56,17 @@ class FaultProxy:
         async def requests() -> None:
             while data := await client_r.read(65536):
                 if data[:8].split(b" ")[0] in (b"GET", b"POST", b"PUT", b"DELETE", b"PATCH"):
-                    state.update(streaming=b"stream=true" in data.split(b"\r\n")[0], relayed=0)
+                    request_line = data.split(b"\r\n")[0]
+                    state.update(streaming=b"stream=true" in request_line, relayed=0)
+                    reply = None
                     if state["streaming"] and self.stream_reply is not None:
                         self.refused_streams += 1
-                        client_w.write(self.stream_reply)
+                        reply = self.stream_reply
+                    elif request_line.startswith(b"POST /v1/sandboxes "):
+                        self.creates_seen += 1
+                        reply = self.create_replies.pop(0) if self.create_replies else None
+                    if reply is not None:
+                        client_w.write(reply)
                         client_w.close()  # flushes the reply before the connection ends
                         await client_w.wait_closed()
                         return
