@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine_helpers import running_engine
+from kernel_helpers import VIA_CREATEOS
 from sandbox_kernel.local.service import EngineEndpoint
 
 KERNEL_NAME = "sandbox-test"
@@ -49,4 +50,14 @@ def kernelspec(engine: EngineEndpoint, tmp_path_factory: pytest.TempPathFactory)
         p for p in (str(data_dir), os.environ.get("JUPYTER_PATH")) if p)
     spec = json.loads((data_dir / "kernels" / KERNEL_NAME / "kernel.json").read_text())
     assert spec["display_name"] == "Python (sandbox)"
+    if VIA_CREATEOS:
+        os.environ["CREATEOS_SANDBOX_BASE_URL"] = engine.url
+        os.environ["CREATEOS_SANDBOX_API_KEY"] = engine.token
     return KERNEL_NAME
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that starts kernels `kernel` (the CreateOS-path run selects them)."""
+    for item in items:
+        if "kernelspec" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.kernel)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Iterator
 from collections.abc import Callable
@@ -13,6 +14,10 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager, start_new_kernel
 
 TIMEOUT = 120
+# SANDBOX_KERNEL_TEST_VIA_CREATEOS=1 runs the kernel tests through the CreateOS code path
+# (base URL + key pointed at the local engine): the kernel must have no local-only shortcut.
+VIA_CREATEOS = os.environ.get("SANDBOX_KERNEL_TEST_VIA_CREATEOS") == "1"
+PROVIDER = "CreateOS" if VIA_CREATEOS else "the local engine"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

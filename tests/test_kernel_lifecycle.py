@@ -6,7 +6,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from engine_helpers import sandbox_status
-from kernel_helpers import TIMEOUT, execute
+from kernel_helpers import PROVIDER, TIMEOUT, execute
 from sandbox_kernel.api import SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -48,7 +48,7 @@ def test_failed_sandbox_start_is_one_line_and_the_kernel_lives(kernelspec: str,
             assert result.reply["content"]["status"] == "error"
             lines = result.text("stderr").splitlines()
             assert len(lines) == 1
-            assert lines[0].startswith("sandbox-kernel: could not start a sandbox on the local engine")
+            assert lines[0].startswith(f"sandbox-kernel: could not start a sandbox on {PROVIDER}")
             assert "s-64vcpu-1tb" in lines[0]
             assert result.text() == ""
         assert km.is_alive()

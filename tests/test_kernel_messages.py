@@ -13,7 +13,7 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
-from kernel_helpers import TIMEOUT, execute, is_status_line, plain_traceback, running_kernel
+from kernel_helpers import PROVIDER, TIMEOUT, execute, is_status_line, plain_traceback, running_kernel
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def test_first_cell_shows_where_it_runs(kc: BlockingKernelClient) -> None:
     first = execute(kc, "1")
     status = [m for m in first.messages if is_status_line(m)]
     assert status, "the first cell says which sandbox and provider it runs on"
-    assert "on the local engine" in status[-1]["content"]["data"]["text/plain"]
+    assert f"on {PROVIDER}" in status[-1]["content"]["data"]["text/plain"]
     assert execute(kc, "2").messages and not [m for m in execute(kc, "3").messages if is_status_line(m)]
 
 

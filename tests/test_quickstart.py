@@ -13,7 +13,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from kernel_helpers import plain_traceback
+from kernel_helpers import PROVIDER, plain_traceback
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def test_quickstart_notebook(kernelspec: str) -> None:
     outs = [visible(c.outputs) for c in cells]
 
     status = [o for o in cells[0].outputs if o not in outs[0]]
-    assert status and "ready on the local engine" in status[-1]["data"]["text/plain"]
+    assert status and f"ready on {PROVIDER}" in status[-1]["data"]["text/plain"]
     assert stdout(outs[0]).startswith("Python ") and " in sandbox sb-" in stdout(outs[0])
 
     [total] = outs[1]
@@ -83,6 +83,6 @@ def test_headless_run_command_prints_the_notebook(kernelspec: str) -> None:
         [sys.executable, "-m", "sandbox_kernel", "run", str(EXAMPLES / "quickstart.ipynb"),
          "--kernel", kernelspec], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    for expected in ("ready on the local engine", "285\n", "mean square: 28.5\n", "step 4\n",
+    for expected in (f"ready on {PROVIDER}", "285\n", "mean square: 28.5\n", "step 4\n",
                      "[image/png, ", "KeyError: 'pears'", "/workspace ['notes.txt']\n"):
         assert expected in result.stdout
