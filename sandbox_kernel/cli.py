@@ -1,4 +1,4 @@
-"""`sandbox-kernel install | run | serve | ls | rm | doctor`."""
+"""`sandbox-kernel install | run | serve | ls | rm | gc | doctor`."""
 
 from __future__ import annotations
 
@@ -62,6 +62,24 @@ async def _remove(settings: Settings, ids: list[str]) -> int:
     return 0
 
 
+async def _collect(settings: Settings, dry_run: bool) -> int:
+    from . import ownership
+
+    async with await open_client(settings) as client:
+        live = [sb.id for sb in await client.list_sandboxes()]
+        orphans = ownership.orphaned(live)
+        for sandbox_id in orphans:
+            if dry_run:
+                print(f"{sandbox_id}: orphaned (its kernel is gone); would destroy")
+                continue
+            result = await client.delete_sandbox(sandbox_id)
+            ownership.forget(sandbox_id)
+            print(f"{sandbox_id}: orphaned, {result.status.value}")
+    if not orphans:
+        print(f"no orphaned sandboxes on {settings.description}")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .headless import run_notebook
 
@@ -115,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     rm = sub.add_parser("rm", help="destroy sandboxes")
     rm.add_argument("ids", nargs="+", metavar="ID")
     rm.set_defaults(run=lambda a: asyncio.run(_remove(Settings.from_env(), a.ids)))
+
+    gc = sub.add_parser("gc", help="destroy sandboxes whose kernel on this machine is gone")
+    gc.add_argument("--dry-run", action="store_true", help="only say what would be destroyed")
+    gc.set_defaults(run=lambda a: asyncio.run(_collect(Settings.from_env(), a.dry_run)))
 
     doctor = sub.add_parser("doctor", help="say what isolation this host gives, and why")
     doctor.set_defaults(run=cmd_doctor)

@@ -33,6 +33,7 @@ from .api import (
     SandboxView,
     ServerError,
 )
+from . import ownership
 from .config import Settings, open_client
 from .cost import Cost, Meter
 
@@ -186,9 +187,11 @@ class SandboxSession:
         return self._track(await client.get_sandbox(sandbox_id))
 
     def _track(self, view: SandboxView) -> SandboxView:
-        """Remember a sandbox this notebook uses, and feed the cost meter its history."""
+        """Remember a sandbox this notebook uses (and claim it, for `gc`), and feed the cost
+        meter its history."""
         if view.id not in self.known:
             self.known.append(view.id)
+            ownership.claim(view.id)
         self.meter.observe(view)
         return view
 
@@ -353,6 +356,7 @@ class SandboxSession:
     async def destroy(self, sandbox_id: str) -> None:
         await self._client().delete_sandbox(sandbox_id)
         self.meter.note_gone(sandbox_id)
+        ownership.release(sandbox_id)
 
     async def shutdown(self, policy: str | None = None) -> None:
         """Close the session; the sandbox is destroyed, paused or kept per `policy`."""
@@ -365,6 +369,8 @@ class SandboxSession:
             elif self.sandbox_id and policy == "pause":
                 await self.client.pause_sandbox(self.sandbox_id)
         finally:
+            for sandbox_id in self.known:  # a clean shutdown leaves no orphans behind
+                ownership.release(sandbox_id)
             await self.client.aclose()
             self.client = None
 

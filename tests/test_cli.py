@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+from jupyter_client.manager import start_new_kernel
+
 from engine_helpers import sandbox_status
+from kernel_helpers import PROVIDER, TIMEOUT, execute, running_kernel
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -62,3 +66,23 @@ def test_doctor_says_what_holds(engine: EngineEndpoint) -> None:
     for expected in ("✓ namespaces: user, pid, net, ipc, uts, mount", "✓ pause:", "✓ fork:",
                      "✓ network: loopback only", "✗ limits:", "engine: running"):
         assert expected in done.stdout
+
+
+def test_gc_destroys_only_what_a_dead_kernel_left(kernelspec: str, engine: EngineEndpoint) -> None:
+    with running_kernel(kernelspec) as (_, alive):
+        kept = execute(alive, "import os\nprint(os.environ['SANDBOX_ID'])").text().strip()
+        km, kc = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT)
+        left = execute(kc, "import os\nprint(os.environ['SANDBOX_ID'])").text().strip()
+        kc.stop_channels()
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)  # a crash: no shutdown, no cleanup
+        km.provisioner.process.wait(10)
+        km.cleanup_resources()
+        assert sandbox_status(engine, left) == SandboxStatus.RUNNING
+        dry = cli("gc", "--dry-run")
+        assert dry.stdout == f"{left}: orphaned (its kernel is gone); would destroy\n"
+        assert sandbox_status(engine, left) == SandboxStatus.RUNNING
+        collected = cli("gc")
+        assert collected.stdout == f"{left}: orphaned, destroyed\n"
+        assert sandbox_status(engine, left) == SandboxStatus.DESTROYED
+        assert sandbox_status(engine, kept) == SandboxStatus.RUNNING  # its kernel still runs
+        assert cli("gc").stdout == f"no orphaned sandboxes on {PROVIDER}\n"
