@@ -195,7 +195,7 @@ class SandboxKernel(Kernel):
 
     async def _interrupt(self) -> None:
         if self.boot and not self.boot.done():
-            return  # nothing runs yet; the waiting cell is cancelled by the frontend's idle
+            return  # no cell runs yet: the first one is only waiting for the sandbox
         if self.sandbox and self.sandbox.sandbox_id:
             await self.sandbox.interrupt()
 

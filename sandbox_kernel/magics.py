@@ -284,7 +284,7 @@ class SandboxMagics:
 
     async def egress_allow(self, args: argparse.Namespace) -> None:
         current = (await self.session.get_egress()).egress or []
-        if current and not egress_rules.is_allow_all(current) and current != [BLOCK_ALL]:
+        if current and current != [BLOCK_ALL]:  # the server's list is normalized: [] is allow-all
             await self._set_rules(egress_rules.add(current, checked(args.rules)))
         else:  # from "all public" (or block-all), allowing these means: only these
             await self._set_rules(checked(args.rules))

@@ -24,6 +24,8 @@ from .api import (
     ConflictError,
     CreateSandboxRequest,
     EgressView,
+    ExecResponse,
+    ExecResult,
     ForkSandboxRequest,
     NotFoundError,
     ProtocolError,
@@ -70,6 +72,16 @@ class StreamingUnavailable(Exception):
 
 def encode_arg(message: dict[str, Any]) -> str:
     return base64.b64encode(json.dumps(message).encode()).decode()
+
+
+def runner_client(*args: str) -> list[str]:
+    """Arguments of a short-lived runner client (no site-packages: it needs only the stdlib)."""
+    return ["-I", "-S", RUNNER_PATH, *args]
+
+
+def runner_failed(output: str) -> SessionError:
+    return SessionError("the Python runner in the sandbox failed: "
+                        + (output.strip().splitlines() or ["no output"])[-1])
 
 
 class SandboxSession:
@@ -146,24 +158,24 @@ class SandboxSession:
     async def start_runner(self) -> None:
         """Upload runner.py and start its daemon; an older daemon is stopped first."""
         client, sandbox_id = self._require()
-        await self._check(await client.exec(sandbox_id, "mkdir", ["-p", RUNNER_DIR]))
+        self._check(await client.exec(sandbox_id, "mkdir", ["-p", RUNNER_DIR]))
         await client.upload_file(sandbox_id, RUNNER_PATH, RUNNER_SOURCE.read_bytes())
         # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
         # the shutdown of a daemon that is not there.
-        script = (f"{SANDBOX_PYTHON} -I -S {RUNNER_PATH} request {RUNNER_DIR} "
-                  f"{encode_arg({'op': 'shutdown'})} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; "
+        stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({"op": "shutdown"}))])
+        script = (f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; "
                   f"nohup setsid {SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR} "
                   f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 &")
-        await self._check(await client.exec(sandbox_id, "sh", ["-c", script]))
+        self._check(await client.exec(sandbox_id, "sh", ["-c", script]))
         wait = (f"i=0; while [ ! -f {RUNNER_DIR}/ready ]; do i=$((i+1)); "
                 f"[ $i -gt {int(RUNNER_READY_TIMEOUT * 50)} ] && {{ tail -n 20 {RUNNER_DIR}/runner.log >&2; exit 1; }}; "
                 f"sleep 0.02; done; cat {RUNNER_DIR}/ready")
-        result = await self._check(await client.exec(sandbox_id, "sh", ["-c", wait]),
-                                   what="the Python runner did not start")
+        result = self._check(await client.exec(sandbox_id, "sh", ["-c", wait]),
+                             what="the Python runner did not start")
         self.runner_info = json.loads(result.stdout)
 
     @staticmethod
-    async def _check(response, what: str = "sandbox command failed"):  # type: ignore[no-untyped-def]
+    def _check(response: ExecResponse, what: str = "sandbox command failed") -> ExecResult:
         result = response.result
         if result.exit_code != 0 or result.error:
             detail = (result.error or result.stderr).strip().splitlines()
@@ -335,7 +347,7 @@ class SandboxSession:
         """One-shot runner operation (interrupt, input, complete, inspect, info)."""
         client, sandbox_id = self._require()
         response = await client.exec(sandbox_id, SANDBOX_PYTHON,
-                                     ["-I", "-S", RUNNER_PATH, "request", RUNNER_DIR, encode_arg(message)])
+                                     runner_client("request", RUNNER_DIR, encode_arg(message)))
         lines = response.result.stdout.strip().splitlines()
         if not lines:
             raise SessionError("the Python runner in the sandbox is not answering")
@@ -392,7 +404,7 @@ class _EventStream:
         self.broken = True
         try:
             async with client.exec_stream(sandbox_id, SANDBOX_PYTHON,
-                                          ["-I", "-S", RUNNER_PATH, *runner_args]) as frames:
+                                          runner_client(*runner_args)) as frames:
                 async for frame in frames:
                     if frame.stderr:
                         stderr += frame.stderr
@@ -410,8 +422,7 @@ class _EventStream:
                             if done is not None:
                                 return done
                     if frame.exit_code not in (None, 0):
-                        raise SessionError("the Python runner in the sandbox failed: "
-                                           + (stderr.strip().splitlines() or ["no output"])[-1])
+                        raise runner_failed(stderr)
         except NotFoundError as exc:
             await session.view()  # raises NotFoundError itself if the sandbox is gone
             raise StreamingUnavailable(str(exc)) from None
@@ -424,14 +435,13 @@ class _EventStream:
         client, sandbox_id = session._require()
         self.broken = True
         try:
-            response = await client.exec(sandbox_id, SANDBOX_PYTHON, ["-I", "-S", RUNNER_PATH, *runner_args])
+            response = await client.exec(sandbox_id, SANDBOX_PYTHON, runner_client(*runner_args))
         except RECOVERABLE as exc:
             log.warning("exec poll failed after seq %d: %s", self.last_seq, exc)
             return None
         result = response.result
         if result.exit_code != 0:
-            raise SessionError("the Python runner in the sandbox failed: "
-                               + ((result.error or result.stderr).strip().splitlines() or ["no output"])[-1])
+            raise runner_failed(result.error or result.stderr)
         self.broken = False
         for line in result.stdout.split("\n"):
             done = await self._deliver(line)

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-from collections.abc import Iterator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager, start_new_kernel
 
+from sandbox_kernel.headless import ANSI
+
 TIMEOUT = 120
 # SANDBOX_KERNEL_TEST_VIA_CREATEOS=1 runs the kernel tests through the CreateOS code path
 # (base URL + key pointed at the local engine): the kernel must have no local-only shortcut.
 VIA_CREATEOS = os.environ.get("SANDBOX_KERNEL_TEST_VIA_CREATEOS") == "1"
 PROVIDER = "CreateOS" if VIA_CREATEOS else "the local engine"
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def plain_traceback(lines: list[str]) -> str:
