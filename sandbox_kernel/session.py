@@ -4,8 +4,8 @@ Everything here goes through SandboxClient (the CreateOS REST API); nothing touc
 process or file of the sandbox directly, so the same code drives CreateOS and the local
 engine. The runner (runner.py) is uploaded at start and run as a daemon holding the
 user's globals; each cell is one streaming exec of `runner.py run`, whose stdout is
-the cell's NDJSON events. If that stream drops, `runner.py attach` resumes it from the
-last event seen, so nothing is lost or repeated.
+the cell's NDJSON events. If that stream drops, `run` is sent again with the last event
+seen, and the runner resumes the same cell from there, so nothing is lost or repeated.
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ RUNNER_READY_TIMEOUT = 30.0
 RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
 # Without streaming exec, each buffered exec returns a cell's new events after at most this.
 POLL_WAIT = 1.0
+# A gateway in front of CreateOS that answers a held streaming exec with one of these will
+# do so again: follow cells by polling instead. Streams that drop this many times in a row
+# without new output are given up on the same way.
+GATEWAY_GAVE_UP = (502, 504)
+STREAM_DROPS_BEFORE_POLLING = 2
 
 # Polling a transition (pause, resume, fork): locally it takes milliseconds, on CreateOS
 # it can take minutes; doubling from 20 ms to 2 s serves both with few requests.
@@ -318,30 +323,36 @@ class SandboxSession:
         else:
             request["code"] = code
         stream = _EventStream(on_event)
-        done = await self._follow(stream, "run", request)
+        done = await self._follow(stream, request)
         failures = 0
         while done is None:
             if stream.broken:  # a dropped or failed exec: try again, a bounded number of times
                 if failures == len(RECONNECT_DELAYS):
                     raise SessionError("lost the connection to the sandbox while a cell was running; "
                                        "its output so far is shown above")
+                if self.streaming and failures + 1 >= STREAM_DROPS_BEFORE_POLLING:
+                    log.warning("exec streams keep dropping with no new output: following cells by polling")
+                    self.streaming = False
                 await asyncio.sleep(RECONNECT_DELAYS[failures])
                 failures += 1
             progress = stream.last_seq
-            done = await self._follow(stream, "attach", {"cell_id": cell_id, "after": stream.last_seq})
+            # "run" again rather than "attach": the runner knows the cell by its id, so a
+            # run that did reach it is only followed, and one lost on the way (a gateway
+            # answering 502 before forwarding) is started now instead of reported unknown.
+            done = await self._follow(stream, {**request, "after": stream.last_seq})
             if stream.last_seq > progress:
                 failures = 0
         return done
 
-    async def _follow(self, stream: _EventStream, command: str, message: dict[str, Any]) -> dict[str, Any] | None:
-        """One exec of the runner client: streamed if the service can, else one poll."""
+    async def _follow(self, stream: _EventStream, request: dict[str, Any]) -> dict[str, Any] | None:
+        """One exec of `runner.py run`: streamed if the service can, else one poll."""
         if self.streaming:
             try:
-                return await stream.follow(self, [command, RUNNER_DIR, encode_arg({**message, "wait": None})])
+                return await stream.follow(self, ["run", RUNNER_DIR, encode_arg({**request, "wait": None})])
             except StreamingUnavailable as exc:
                 log.warning("streaming exec unavailable (%s): following cells by polling", exc)
                 self.streaming = False
-        return await stream.poll(self, [command, RUNNER_DIR, encode_arg({**message, "wait": POLL_WAIT})])
+        return await stream.poll(self, ["run", RUNNER_DIR, encode_arg({**request, "wait": POLL_WAIT})])
 
     async def runner_request(self, message: dict[str, Any]) -> dict[str, Any]:
         """One-shot runner operation (interrupt, input, complete, inspect, info)."""
@@ -426,6 +437,10 @@ class _EventStream:
         except NotFoundError as exc:
             await session.view()  # raises NotFoundError itself if the sandbox is gone
             raise StreamingUnavailable(str(exc)) from None
+        except ServerError as exc:
+            if exc.status_code in GATEWAY_GAVE_UP and not seen_output:
+                raise StreamingUnavailable(f"HTTP {exc.status_code} on a long-held exec") from None
+            log.warning("exec stream failed after seq %d: %s", self.last_seq, exc)
         except RECOVERABLE as exc:
             log.warning("exec stream dropped after seq %d: %s", self.last_seq, exc)
         return None

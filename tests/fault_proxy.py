@@ -3,6 +3,9 @@ CreateOS can: it cuts the first `max_cuts` streams after a number of bytes (late
 pass, so a run always ends), answers every streaming exec with `stream_reply` (a 404,
 or an `error` frame) as services without streaming exec do, or answers the first sandbox
 creations with `create_replies` (401, 402, 429, 503...), one each, then lets them through.
+Armed with `fail_buffered_execs`, it answers chosen buffered (non-streaming) execs with a
+502, either before forwarding them or after the engine has run them, as a gateway that
+gives up on a long-held request does.
 
 It sits between a kernel and the real local engine, so the kernel's session meets a
 real dropped connection mid-cell (what a CreateOS gateway timeout looks like).
@@ -12,6 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+
+BAD_GATEWAY_BODY = b'{"status": "error", "message": "bad gateway"}'
+BAD_GATEWAY = (b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nConnection: close\r\n"
+               b"Content-Length: " + str(len(BAD_GATEWAY_BODY)).encode() + b"\r\n\r\n" + BAD_GATEWAY_BODY)
 
 
 class FaultProxy:
@@ -25,6 +32,10 @@ class FaultProxy:
         self.creates_seen = 0
         self.cuts = 0
         self.refused_streams = 0
+        # Buffered execs counted from when fail_buffered_execs() armed the proxy.
+        self._exec_faults: dict[int, str] = {}
+        self.buffered_execs = 0
+        self.bad_gateways = 0
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -34,6 +45,12 @@ class FaultProxy:
         self._thread.start()
         self._ready.wait(10)
         return self
+
+    def fail_buffered_execs(self, faults: dict[int, str]) -> None:
+        """From now on, answer the n-th buffered exec (1-based) with a 502, "before" it
+        reaches the engine or "after" the engine has run it (its answer is thrown away)."""
+        self.buffered_execs = 0
+        self._exec_faults = dict(faults)
 
     def __exit__(self, *exc: object) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -65,6 +82,14 @@ class FaultProxy:
                     elif request_line.startswith(b"POST /v1/sandboxes "):
                         self.creates_seen += 1
                         reply = self.create_replies.pop(0) if self.create_replies else None
+                    elif self._exec_faults and request_line.endswith(b"/exec HTTP/1.1"):
+                        self.buffered_execs += 1
+                        fault = self._exec_faults.get(self.buffered_execs)
+                        if fault == "after":
+                            await self._run_and_discard(await _whole_request(data, client_r))
+                        if fault:
+                            self.bad_gateways += 1
+                            reply = BAD_GATEWAY
                     if reply is not None:
                         client_w.write(reply)
                         client_w.close()  # flushes the reply before the connection ends
@@ -89,3 +114,29 @@ class FaultProxy:
             task.cancel()
         for writer in (client_w, upstream_w):
             writer.transport.abort()  # a hard cut, as a failing gateway does
+
+    async def _run_and_discard(self, request: bytes) -> None:
+        """Send one whole request to the engine on its own connection and read (then drop)
+        its answer, so the engine really ran what the client will be told failed."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        try:
+            writer.write(request)
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            await reader.readexactly(length)
+        finally:
+            writer.transport.abort()
+
+
+async def _whole_request(data: bytes, reader: asyncio.StreamReader) -> bytes:
+    """`data` completed to the end of its body (headers and body may arrive apart)."""
+    while b"\r\n\r\n" not in data:
+        data += await reader.read(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    if len(body) < length:
+        body += await reader.readexactly(length - len(body))
+    return head + b"\r\n\r\n" + body

@@ -1,6 +1,7 @@
 """When the service cannot stream exec output (some CreateOS versions answer 404, or send
-an `error` frame), cells are followed by polling the runner's journal with short buffered
-execs: slower, but nothing is lost or repeated."""
+an `error` frame; a gateway answers a held exec with 502), cells are followed by polling
+the runner's journal with short buffered execs: slower, but nothing is lost or repeated,
+even when some of those execs fail with a 502 themselves."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from fault_proxy import FaultProxy
+from fault_proxy import BAD_GATEWAY, FaultProxy
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -20,7 +21,10 @@ REPLIES = {
             b"Content-Length: " + str(len(NOT_FOUND)).encode() + b"\r\n\r\n" + NOT_FOUND),
     "error frame": (b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nConnection: close\r\n\r\n"
                     b'{"error": "agent error: sandbox not found"}\n{"exit_code": -1}\n'),
+    "502": BAD_GATEWAY,
 }
+COUNTING_CELL = "import time\nfor i in range(30):\n    print(i, flush=True)\n    time.sleep(0.05)\n'finished'"
+COUNTED = "".join(f"{i}\n" for i in range(30))
 
 
 @pytest.mark.parametrize("failure", list(REPLIES))
@@ -31,13 +35,46 @@ def test_cells_run_by_polling_when_streaming_is_unavailable(
         monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", f"http://127.0.0.1:{proxy.port}")
         monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", engine.token)
         with running_kernel(kernelspec) as (_, kc):
-            result = execute(kc, "import time\nfor i in range(30):\n    print(i, flush=True)\n"
-                                 "    time.sleep(0.05)\n'finished'")
+            result = execute(kc, COUNTING_CELL)
             assert result.reply["content"]["status"] == "ok", result.text("stderr") or result.of_type("error")
-            assert result.text() == "".join(f"{i}\n" for i in range(30))
+            assert result.text() == COUNTED
             assert result.of_type("execute_result")[0]["data"]["text/plain"] == "'finished'"
             # Followed while it ran (about 1.5 s, polled every second), not only at the end.
             assert len([m for m in result.outputs if m["msg_type"] == "stream"]) >= 2
             error = execute(kc, "1 / 0").of_type("error")
             assert error[0]["ename"] == "ZeroDivisionError"
         assert proxy.refused_streams == 1, "after the first refusal the session stops asking"
+
+
+def test_buffered_execs_failing_with_502_lose_and_repeat_nothing(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine_port = int(engine.url.rsplit(":", 1)[1])
+    with FaultProxy(engine_port, stream_reply=REPLIES["404"]) as proxy:
+        monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", f"http://127.0.0.1:{proxy.port}")
+        monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", engine.token)
+        with running_kernel(kernelspec) as (_, kc):
+            assert execute(kc, "'polling now'").reply["content"]["status"] == "ok"
+            # The cell's first exec never reaches the sandbox; the next two run there, but
+            # their answers (events the runner sent) are lost on the way back.
+            proxy.fail_buffered_execs({1: "before", 2: "after", 3: "after"})
+            result = execute(kc, COUNTING_CELL)
+            assert proxy.bad_gateways == 3
+            assert result.reply["content"]["status"] == "ok", result.text("stderr") or result.of_type("error")
+            assert result.text() == COUNTED
+            assert result.of_type("execute_result")[0]["data"]["text/plain"] == "'finished'"
+            assert execute(kc, "i").of_type("execute_result")[0]["data"]["text/plain"] == "29"
+
+
+def test_streams_dropping_before_any_output_give_way_to_polling(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine_port = int(engine.url.rsplit(":", 1)[1])
+    with FaultProxy(engine_port, cut_after_bytes=0, max_cuts=10) as proxy:
+        monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", f"http://127.0.0.1:{proxy.port}")
+        monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", engine.token)
+        with running_kernel(kernelspec) as (_, kc):
+            result = execute(kc, COUNTING_CELL)
+            assert result.reply["content"]["status"] == "ok", result.text("stderr") or result.of_type("error")
+            assert result.text() == COUNTED
+            assert proxy.cuts == 2, "two streams cut with nothing delivered, then polling"
+            assert execute(kc, "i").of_type("execute_result")[0]["data"]["text/plain"] == "29"
+            assert proxy.cuts == 2, "later cells poll from the start"
