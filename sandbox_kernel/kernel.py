@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
@@ -36,6 +36,12 @@ log = logging.getLogger("sandbox_kernel.kernel")
 
 HANDOFF_MAX_AGE = 120.0  # a restart hand-off older than this is stale
 KERNEL_INFO_WAIT = 10.0
+
+T = TypeVar("T")
+
+
+class WaitInterrupted(Exception):
+    """The user interrupted a wait on the sandbox service (start, pause, fork...)."""
 
 
 class SandboxKernel(Kernel):
@@ -69,6 +75,10 @@ class SandboxKernel(Kernel):
         self.boot: asyncio.Task[None] | None = None
         self.status_shown = False
         self.main_loop: asyncio.AbstractEventLoop | None = None
+        # A wait an interrupt may cut short (the sandbox start, a magic's pause or fork):
+        # the service carries on; only the cell stops waiting.
+        self.interruptible: asyncio.Future[Any] | None = None
+        self.wait_interrupted = False
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -131,18 +141,25 @@ class SandboxKernel(Kernel):
         self._allow_stdin = allow_stdin  # raw_input()/getpass() check it, as under ipykernel
         out = CellOutput(self._send_iopub)
         try:
-            session = await self._ensure_session(out)
+            session = await self._interruptible(self._ensure_session(out))
         except SessionError as exc:
             return self._fail("SandboxUnavailable", str(exc))
+        except WaitInterrupted:
+            return self._fail("KeyboardInterrupt", "interrupted: the sandbox is still starting; "
+                              "run a cell when you want it")
         magics = SandboxMagics(session, out)
         for segment in split_cell(code):
             if segment.magic:
                 try:
-                    await magics.run(segment.text)
+                    await self._interruptible(magics.run(segment.text))
                 except (MagicError, SessionError) as exc:
                     return self._fail("MagicError", str(exc))
                 except SandboxAPIError as exc:
                     return self._fail("SandboxError", exc.user_message())
+                except WaitInterrupted:
+                    return self._fail("KeyboardInterrupt", "interrupted: stopped waiting, but the sandbox "
+                                      "service carries on; `%sandbox status` and `%sandbox list` show "
+                                      "where it got to")
                 continue
             reply = await self._run_code(session, segment.text, silent, store_history, out)
             if reply["status"] != "ok":
@@ -193,9 +210,26 @@ class SandboxKernel(Kernel):
                        "traceback": []}
         self.session.send(stream, "interrupt_reply", content, parent, ident=ident)
 
+    async def _interruptible(self, work: Coroutine[Any, Any, T]) -> T:
+        """Await work; an interrupt meanwhile raises WaitInterrupted (work is cancelled)."""
+        self.interruptible = task = asyncio.ensure_future(work)
+        self.wait_interrupted = False
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if self.wait_interrupted and task.cancelled():
+                raise WaitInterrupted() from None
+            raise  # the kernel itself is being cancelled (shutdown)
+        finally:
+            self.interruptible = None
+
     async def _interrupt(self) -> None:
+        if self.interruptible is not None and not self.interruptible.done():
+            self.wait_interrupted = True
+            self.interruptible.cancel()
+            return
         if self.boot and not self.boot.done():
-            return  # no cell runs yet: the first one is only waiting for the sandbox
+            return  # no cell is waiting for the sandbox that is starting
         if self.sandbox and self.sandbox.sandbox_id:
             await self.sandbox.interrupt()
 

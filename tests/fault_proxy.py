@@ -5,7 +5,8 @@ or an `error` frame) as services without streaming exec do, or answers the first
 creations with `create_replies` (401, 402, 429, 503...), one each, then lets them through.
 Armed with `fail_buffered_execs`, it answers chosen buffered (non-streaming) execs with a
 502, either before forwarding them or after the engine has run them, as a gateway that
-gives up on a long-held request does.
+gives up on a long-held request does. With `hold_status` = (real, shown), sandbox views
+say `shown` where the engine says `real`, as a CreateOS transition taking minutes looks.
 
 It sits between a kernel and the real local engine, so the kernel's session meets a
 real dropped connection mid-cell (what a CreateOS gateway timeout looks like).
@@ -14,8 +15,10 @@ real dropped connection mid-cell (what a CreateOS gateway timeout looks like).
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
+VIEW_REQUEST = re.compile(rb"GET /v1/sandboxes/[^/?\s]+ HTTP/1.1$")
 BAD_GATEWAY_BODY = b'{"status": "error", "message": "bad gateway"}'
 BAD_GATEWAY = (b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nConnection: close\r\n"
                b"Content-Length: " + str(len(BAD_GATEWAY_BODY)).encode() + b"\r\n\r\n" + BAD_GATEWAY_BODY)
@@ -36,6 +39,8 @@ class FaultProxy:
         self._exec_faults: dict[int, str] = {}
         self.buffered_execs = 0
         self.bad_gateways = 0
+        self.hold_status: tuple[str, str] | None = None
+        self.held_views = 0
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -85,11 +90,15 @@ class FaultProxy:
                     elif self._exec_faults and request_line.endswith(b"/exec HTTP/1.1"):
                         self.buffered_execs += 1
                         fault = self._exec_faults.get(self.buffered_execs)
-                        if fault == "after":
-                            await self._run_and_discard(await _whole_request(data, client_r))
+                        if fault == "after":  # the engine runs it; its answer is lost
+                            await self._exchange(await _whole_request(data, client_r))
                         if fault:
                             self.bad_gateways += 1
                             reply = BAD_GATEWAY
+                    elif self.hold_status and VIEW_REQUEST.match(request_line):
+                        client_w.write(self._held(await self._exchange(await _whole_request(data, client_r))))
+                        await client_w.drain()
+                        continue
                     if reply is not None:
                         client_w.write(reply)
                         client_w.close()  # flushes the reply before the connection ends
@@ -115,19 +124,31 @@ class FaultProxy:
         for writer in (client_w, upstream_w):
             writer.transport.abort()  # a hard cut, as a failing gateway does
 
-    async def _run_and_discard(self, request: bytes) -> None:
-        """Send one whole request to the engine on its own connection and read (then drop)
-        its answer, so the engine really ran what the client will be told failed."""
+    async def _exchange(self, request: bytes) -> bytes:
+        """Send one whole request to the engine on its own connection; its whole answer."""
         reader, writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         try:
             writer.write(request)
             await writer.drain()
             head = await reader.readuntil(b"\r\n\r\n")
-            length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:"))
-            await reader.readexactly(length)
+            return head + await reader.readexactly(_content_length(head))
         finally:
             writer.transport.abort()
+
+    def _held(self, response: bytes) -> bytes:
+        """A sandbox view answer with the held status shown instead of the real one."""
+        assert self.hold_status is not None
+        real, shown = self.hold_status
+        head, _, body = response.partition(b"\r\n\r\n")
+        body, count = re.subn(rb'"status": ?"%s"' % real.encode(), b'"status":"%s"' % shown.encode(), body)
+        self.held_views += count
+        head = re.sub(rb"(?i)content-length: *\d+", b"content-length: %d" % len(body), head)
+        return head + b"\r\n\r\n" + body
+
+
+def _content_length(head: bytes) -> int:
+    return next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                 if line.lower().startswith(b"content-length:")), 0)
 
 
 async def _whole_request(data: bytes, reader: asyncio.StreamReader) -> bytes:
@@ -135,8 +156,7 @@ async def _whole_request(data: bytes, reader: asyncio.StreamReader) -> bytes:
     while b"\r\n\r\n" not in data:
         data += await reader.read(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), 0)
+    length = _content_length(head)
     if len(body) < length:
         body += await reader.readexactly(length - len(body))
     return head + b"\r\n\r\n" + body
