@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 from pathlib import Path
 
 from .api import SandboxAPIError
@@ -45,12 +46,16 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 async def _list(settings: Settings) -> int:
+    from . import pool
+
     async with await open_client(settings) as client:
         sandboxes = await client.list_sandboxes()
     if not sandboxes:
         print(f"no sandboxes on {settings.description}")
+    pooled = pool.all_members()
     for sb in sandboxes:
-        print(f"{sb.id}  {sb.status.value:<10} {sb.shape or '-':<14} {sb.name or '-':<22} {sb.created_at}")
+        role = "  (warm pool)" if sb.id in pooled else ""
+        print(f"{sb.id}  {sb.status.value:<10} {sb.shape or '-':<14} {sb.name or '-':<22} {sb.created_at}{role}")
     return 0
 
 
@@ -63,19 +68,23 @@ async def _remove(settings: Settings, ids: list[str]) -> int:
 
 
 async def _collect(settings: Settings, dry_run: bool) -> int:
-    from . import ownership
+    from . import ownership, pool
 
     async with await open_client(settings) as client:
+        listed_at = time.time()
         live = [sb.id for sb in await client.list_sandboxes()]
-        orphans = ownership.orphaned(live)
-        for sandbox_id in orphans:
+        # Warm pool members belong to no kernel: only those unclaimed for too long go.
+        doomed = ([(sandbox_id, "orphaned", " (its kernel is gone)") for sandbox_id in ownership.orphaned(live)]
+                  + [(sandbox_id, "stale warm pool member", "") for sandbox_id in pool.stale_members(live, listed_at)])
+        for sandbox_id, what, why in doomed:
             if dry_run:
-                print(f"{sandbox_id}: orphaned (its kernel is gone); would destroy")
+                print(f"{sandbox_id}: {what}{why}; would destroy")
                 continue
             result = await client.delete_sandbox(sandbox_id)
             ownership.forget(sandbox_id)
-            print(f"{sandbox_id}: orphaned, {result.status.value}")
-    if not orphans:
+            pool.forget(sandbox_id)
+            print(f"{sandbox_id}: {what}, {result.status.value}")
+    if not doomed:
         print(f"no orphaned sandboxes on {settings.description}")
     return 0
 

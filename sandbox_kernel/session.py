@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from .api import (
     ExecResult,
     ForkSandboxRequest,
     NotFoundError,
+    PatchSandboxRequest,
     ProtocolError,
     SandboxAPIError,
     SandboxClient,
@@ -35,8 +38,8 @@ from .api import (
     SandboxView,
     ServerError,
 )
-from . import ownership
-from .config import Settings, open_client
+from . import ownership, pool
+from .config import ConfigError, Settings, open_client
 from .cost import Cost, Meter
 
 log = logging.getLogger("sandbox_kernel.session")
@@ -105,6 +108,9 @@ class SandboxSession:
         # The cost meter, and every sandbox this notebook created, forked or drove.
         self.meter = Meter()
         self.known: list[str] = []
+        # Topping up the warm pool after this kernel claimed from it (pool.py).
+        self.pool_refill: asyncio.Task[None] | None = None
+        self.making_pool_member = False
 
     # -- start ----------------------------------------------------------------------------
 
@@ -116,19 +122,86 @@ class SandboxSession:
                 self.client = await open_client(self.settings)
             if attach_to:
                 await self.attach(attach_to, fresh_runner=fresh_runner)
-            else:
-                created = await self.client.create_sandbox(
-                    CreateSandboxRequest(shape=self.settings.shape, egress=self.settings.egress,
-                                         auto_pause_after_seconds=self.settings.auto_pause))
-                self.sandbox_id = created.id
-                self._track(await self.client.get_sandbox(created.id))
-                await self.start_runner()
+            elif not await self._start_from_pool():
+                await self._create()
         except SandboxAPIError as exc:
             raise SessionError(f"could not start a sandbox on {self.settings.description}: "
                                f"{exc.user_message()}") from None
         except (OSError, RuntimeError) as exc:
             raise SessionError(f"could not start a sandbox on {self.settings.description}: {exc}") from None
         self.boot_seconds = time.monotonic() - started
+
+    async def _create(self) -> None:
+        client = self._client()
+        created = await client.create_sandbox(
+            CreateSandboxRequest(shape=self.settings.shape, egress=self.settings.egress,
+                                 auto_pause_after_seconds=self.settings.auto_pause))
+        self.sandbox_id = created.id
+        self._track(await client.get_sandbox(created.id))
+        await self.start_runner()
+
+    # -- warm pool (pool.py) ----------------------------------------------------------------
+
+    async def _start_from_pool(self) -> bool:
+        """Start on a ready sandbox of the warm pool, if one is configured; True if we did.
+
+        Either way the pool is topped up afterwards, in the background.
+        """
+        try:
+            size = pool.size_from_env()
+        except ConfigError as exc:
+            raise SessionError(str(exc)) from None
+        if not size:
+            return False
+        warm = pool.WarmPool.for_settings(self.settings, size)
+        while (sandbox_id := warm.claim()) is not None:
+            try:
+                await self.attach(sandbox_id, fresh_runner=False)
+            except (SessionError, SandboxAPIError) as exc:  # e.g. destroyed behind our back
+                log.warning("warm pool sandbox %s is unusable (%s): trying another", sandbox_id, exc)
+                continue
+            self.on_shutdown = "destroy"  # ours now, exactly as if we had created it
+            auto_pause = self.settings.auto_pause  # the member's was the pool's short one
+            await self._client().patch_sandbox(sandbox_id, PatchSandboxRequest(disable_auto_pause=True)
+                                               if auto_pause is None else
+                                               PatchSandboxRequest(auto_pause_after_seconds=auto_pause))
+            break
+        self.pool_refill = asyncio.get_running_loop().create_task(self._refill_later(warm))
+        return self.sandbox_id is not None
+
+    async def _refill_later(self, warm: pool.WarmPool) -> None:
+        # Let this notebook's first cells have the CPU before sandboxes are made for others.
+        await asyncio.sleep(pool.REFILL_DELAY)
+        await warm.refill(self._make_pool_member)
+
+    async def _make_pool_member(self) -> str:
+        """A new sandbox with its runner started, claimed by this kernel until it is pooled."""
+        member = SandboxSession(replace(self.settings, auto_pause=pool.MEMBER_AUTO_PAUSE))
+        member.client = self._client()
+        self.making_pool_member = True
+        try:
+            await member._create()
+        except BaseException:
+            if member.sandbox_id:  # half made: do not leave it behind
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(member.destroy(member.sandbox_id))
+            raise
+        finally:
+            self.making_pool_member = False
+        assert member.sandbox_id is not None
+        return member.sandbox_id
+
+    async def _stop_refill(self) -> None:
+        """Before the client closes: drop a pending top-up, or let a member being made finish."""
+        task = self.pool_refill
+        if task is None or task.done():
+            return
+        if not self.making_pool_member:
+            task.cancel()
+        # Past this wait the kernel goes anyway; its half-made member stays claimed by
+        # this (then dead) kernel, so `sandbox-kernel gc` destroys it.
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(asyncio.shield(task), pool.REFILL_SHUTDOWN_WAIT)
 
     async def attach(self, sandbox_id: str, fresh_runner: bool = False,
                      progress: Progress | None = None) -> bool:

@@ -1,0 +1,181 @@
+"""A warm pool of ready sandboxes, so that a starting kernel does not wait for one.
+
+With SANDBOX_KERNEL_WARM_POOL=N (N > 0), a kernel first tries to claim a pool member (a
+sandbox created earlier, its runner already started) and then tops the pool up to N in
+the background. Pools are kept per configuration key (provider, base URL, key identity,
+shape, egress rules): a sandbox made for one configuration is never handed to another.
+
+Bookkeeping lives in the state dir, so every kernel of this user on this machine shares
+one pool per key:
+
+    state_dir/pool/<key>/lock               flock: claiming and reserving are atomic
+    state_dir/pool/<key>/members/<id>.json  a ready member: {"created": unix time}
+    state_dir/pool/<key>/filling/<n>.json   a member being made: {"pid": maker}
+
+Only the sandbox service is used (create, exec, upload, PATCH), so the pool works the
+same on CreateOS and the local engine. Waiting members carry a short auto-pause, so on
+CreateOS they stop using vCPU soon; claiming one resumes it. `sandbox-kernel ls` shows
+which sandboxes are pool members, and `sandbox-kernel gc` leaves fresh members alone
+but destroys those older than MAX_AGE (nobody claimed them for too long).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import ownership
+from .config import ConfigError, Settings
+from .paths import state_dir, write_private
+
+log = logging.getLogger("sandbox_kernel.pool")
+
+POOL_ENV = "SANDBOX_KERNEL_WARM_POOL"
+MAX_POOL = 32  # more pre-created sandboxes than this is a typo, not a warm pool
+# A waiting member pauses itself after this long (CreateOS allows 60 s at least).
+MEMBER_AUTO_PAUSE = 120
+# A member nobody claimed for this long is stale: `gc` destroys it.
+MAX_AGE = 24 * 3600.0
+# A kernel that claimed a member tops the pool up this long after, so that its own first
+# cells do not compete for the CPU with making sandboxes for later kernels.
+REFILL_DELAY = 2.0
+# At shutdown, a member being made has this long to be finished and pooled.
+REFILL_SHUTDOWN_WAIT = 3.0
+
+
+def size_from_env(env: Mapping[str, str] | None = None) -> int:
+    """SANDBOX_KERNEL_WARM_POOL: how many ready sandboxes to keep (0 or unset: no pool)."""
+    text = (os.environ if env is None else env).get(POOL_ENV, "").strip()
+    if not text:
+        return 0
+    try:
+        size = int(text)
+    except ValueError:
+        size = -1
+    if not 0 <= size <= MAX_POOL:
+        raise ConfigError(f"{POOL_ENV} must be a number of sandboxes from 0 to {MAX_POOL}, not {text!r}")
+    return size
+
+
+def pool_key(settings: Settings) -> str:
+    """What makes two sandboxes interchangeable, hashed (the API key only as a hash)."""
+    identity = [settings.provider, settings.base_url if settings.provider == "createos" else "local",
+                hashlib.sha256((settings.api_key or "").encode()).hexdigest(),
+                settings.shape, sorted(settings.egress) if settings.egress is not None else None]
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
+
+
+def _pools_root(state: Path | None = None) -> Path:
+    return (state or state_dir()) / "pool"
+
+
+@dataclass(frozen=True)
+class WarmPool:
+    root: Path  # state_dir/pool/<key>
+    size: int
+
+    @classmethod
+    def for_settings(cls, settings: Settings, size: int, state: Path | None = None) -> WarmPool:
+        root = _pools_root(state) / pool_key(settings)
+        for sub in ("members", "filling"):
+            (root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+        return cls(root=root, size=size)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self.root / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def members(self) -> list[str]:
+        """Ready members, oldest first (they are claimed in that order)."""
+        entries = sorted(self.root.glob("members/*.json"), key=lambda p: p.stat().st_mtime)
+        return [p.stem for p in entries]
+
+    def claim(self) -> str | None:
+        """Take one ready member out of the pool (never the same one twice), or None."""
+        with self._locked():
+            for sandbox_id in self.members():
+                (self.root / "members" / f"{sandbox_id}.json").unlink()
+                return sandbox_id
+        return None
+
+    def _reserve(self) -> Path | None:
+        """Reserve the making of one member if the pool (ready + being made) is short."""
+        with self._locked():
+            filling = [p for p in self.root.glob("filling/*.json") if _maker_alive(p)]
+            if len(self.members()) + len(filling) >= self.size:
+                return None
+            ticket = self.root / "filling" / f"{uuid.uuid4().hex}.json"
+            write_private(ticket, json.dumps({"pid": os.getpid()}))
+            return ticket
+
+    async def refill(self, make_member: Callable[[], Awaitable[str]]) -> int:
+        """Make members until the pool is full; return how many this call made.
+
+        make_member returns a new ready sandbox that this kernel has claimed (ownership.py).
+        Other kernels may top up the same pool at the same time: reservations keep the
+        total at `size`. A failure is logged and ends this refill (the next claim retries).
+        """
+        made = 0
+        while (ticket := self._reserve()) is not None:
+            try:
+                sandbox_id = await make_member()
+            except Exception as exc:  # a pool is an optimisation: never break the kernel
+                log.warning("could not top up the warm pool: %s", exc)
+                return made
+            finally:
+                ticket.unlink(missing_ok=True)
+            write_private(self.root / "members" / f"{sandbox_id}.json",
+                          json.dumps({"created": time.time()}))
+            # The maker claimed it while making it (so gc destroys it if the maker dies
+            # half-way); pooled, it belongs to no kernel until one claims it.
+            ownership.release(sandbox_id)
+            made += 1
+        return made
+
+
+def _maker_alive(ticket: Path) -> bool:
+    """A reservation whose maker died is void (its half-made sandbox is gc's, see session)."""
+    try:
+        os.kill(int(json.loads(ticket.read_text())["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        ticket.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def all_members(state: Path | None = None) -> dict[str, float]:
+    """Every ready member of every pool on this machine: sandbox id -> creation time."""
+    found = {}
+    for record in _pools_root(state).glob("*/members/*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            found[record.stem] = float(json.loads(record.read_text())["created"])
+    return found
+
+
+def stale_members(live_ids: list[str], listed_at: float, state: Path | None = None) -> list[str]:
+    """Members older than MAX_AGE, among `live_ids` (the provider's list, fetched at
+    `listed_at`). Records of members missing from that list are dropped, unless they were
+    made after it (a kernel may be topping up its pool right now)."""
+    members = all_members(state)
+    live = set(live_ids)
+    for sandbox_id in set(members) - live:
+        if members[sandbox_id] < listed_at:
+            forget(sandbox_id, state)
+    return [sandbox_id for sandbox_id, created in members.items()
+            if sandbox_id in live and time.time() - created > MAX_AGE]
+
+
+def forget(sandbox_id: str, state: Path | None = None) -> None:
+    for record in _pools_root(state).glob(f"*/members/{sandbox_id}.json"):
+        record.unlink(missing_ok=True)

@@ -1,0 +1,110 @@
+"""The warm pool: kernels start on pre-made sandboxes, never share one, and the pool refills.
+
+Real kernels, a real engine, real sandboxes. The pool's bookkeeping is read from the state
+dir, as `sandbox-kernel ls` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine_helpers import sandbox_status
+from kernel_helpers import execute, running_kernel
+from sandbox_kernel import pool
+from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
+from sandbox_kernel.config import Settings
+from sandbox_kernel.local.service import EngineEndpoint
+from test_cli import cli
+
+POOL_SIZE = 2
+SANDBOX_ID = "import os\nprint(os.environ['SANDBOX_ID'])"
+
+
+def wait_full(warm: pool.WarmPool, timeout: float = 120.0) -> set[str]:
+    deadline = time.monotonic() + timeout
+    while len(warm.members()) < warm.size:
+        assert time.monotonic() < deadline, f"pool never refilled: {warm.members()}"
+        time.sleep(0.2)
+    return set(warm.members())
+
+
+def destroy_all(engine: EngineEndpoint, sandbox_ids: set[str]) -> None:
+    async def destroy() -> None:
+        async with SandboxClient(engine.url, engine.token) as client:
+            for sandbox_id in sandbox_ids:
+                await client.delete_sandbox(sandbox_id)
+
+    asyncio.run(destroy())
+    for sandbox_id in sandbox_ids:
+        pool.forget(sandbox_id)
+
+
+def start_and_report_sandbox(kernelspec: str) -> tuple[str, object]:
+    """Start a kernel and return the id of the sandbox it runs cells in (kernel kept open)."""
+    context = running_kernel(kernelspec)
+    _, kc = context.__enter__()
+    return execute(kc, SANDBOX_ID).text().strip(), context
+
+
+@pytest.mark.slow
+def test_kernels_start_on_pooled_sandboxes_never_the_same_one_and_the_pool_refills(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(pool.POOL_ENV, str(POOL_SIZE))
+    warm = pool.WarmPool.for_settings(Settings.from_env(), POOL_SIZE)
+    pooled: set[str] = set()
+    contexts = []
+    try:
+        with running_kernel(kernelspec) as (_, first):  # an empty pool: a cold start, then a top-up
+            execute(first, "1")
+            pooled = wait_full(warm)
+            listed = cli("ls").stdout
+            assert all(f"{sandbox_id}" in line and line.endswith("(warm pool)")
+                       for sandbox_id in pooled for line in listed.splitlines() if line.startswith(sandbox_id))
+            assert cli("gc", "--dry-run").stdout.count("would destroy") == 0  # members are not orphans
+        # Two kernels at once: each gets a pooled sandbox of its own.
+        with ThreadPoolExecutor(2) as threads:
+            started = list(threads.map(start_and_report_sandbox, [kernelspec, kernelspec]))
+        contexts = [context for _, context in started]
+        claimed = {sandbox_id for sandbox_id, _ in started}
+        assert len(claimed) == 2 and claimed == pooled
+        refilled = wait_full(warm)
+        assert not refilled & claimed
+        assert all(sandbox_status(engine, s) == SandboxStatus.RUNNING for s in refilled)
+        pooled = refilled
+    finally:
+        for context in contexts:
+            context.__exit__(None, None, None)
+        destroy_all(engine, pooled)
+    assert all(sandbox_status(engine, s) in (SandboxStatus.DESTROYED, None) for s in claimed)
+
+
+def test_gc_keeps_fresh_pool_members_and_destroys_stale_ones(engine: EngineEndpoint, tmp_path) -> None:
+    warm = pool.WarmPool.for_settings(Settings(provider="local", shape="s-1vcpu-256mb"), 2)
+
+    async def fill() -> int:
+        async with SandboxClient(engine.url, engine.token) as client:
+            async def make() -> str:
+                return (await client.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb"))).id
+            return await warm.refill(make)
+
+    assert asyncio.run(fill()) == 2 and asyncio.run(fill()) == 0  # full: nothing more made
+    fresh, old = warm.members()
+    record = warm.root / "members" / f"{old}.json"
+    record.write_text(json.dumps({"created": time.time() - pool.MAX_AGE - 60}))
+    try:
+        collected = cli("gc")
+        assert collected.stdout == f"{old}: stale warm pool member, destroyed\n"
+        assert sandbox_status(engine, old) == SandboxStatus.DESTROYED
+        assert sandbox_status(engine, fresh) == SandboxStatus.RUNNING and warm.members() == [fresh]
+    finally:
+        destroy_all(engine, {fresh})
+    # A record whose sandbox is gone is dropped by the next gc.
+    (warm.root / "members" / f"{fresh}.json").write_text(json.dumps({"created": time.time() - 60}))
+    cli("gc")
+    assert warm.members() == []
