@@ -1,0 +1,164 @@
+"""The example notebooks run headless (papermill, as a user would) on the sandbox kernel;
+their outputs are checked.
+
+egress-lockdown installs a package from a package index this test serves on the host's
+loopback (built here from a wheel made on the spot), so it needs no internet.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import hashlib
+import http.server
+import threading
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import papermill
+import pytest
+
+from kernel_helpers import PROVIDER
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+PACKAGE = "hello-sandbox"
+
+
+def run_example(name: str, tmp_path: Path, kernel: str, **parameters: Any) -> list[str]:
+    """Execute examples/NAME with papermill; return each code cell's visible text output."""
+    output = tmp_path / name
+    papermill.execute_notebook(str(EXAMPLES / name), str(output), parameters=parameters,
+                               kernel_name=kernel, cwd=str(tmp_path), progress_bar=False,
+                               execution_timeout=180, start_timeout=120)
+    nb = nbformat.read(output, as_version=4)
+    return [cell_text(cell) for cell in nb.cells if cell.cell_type == "code"]
+
+
+def cell_text(cell: Any) -> str:
+    """stdout, stderr and text/plain of a cell's outputs, in order."""
+    parts = []
+    for output in cell.outputs:
+        if output.output_type == "stream":
+            parts.append(output.text)
+        elif output.output_type in ("display_data", "execute_result"):
+            parts.append(output.data.get("text/plain", "") + "\n")
+        elif output.output_type == "error":
+            parts.append(f"{output.ename}: {output.evalue}\n")
+    return "".join(parts)
+
+
+def test_fork_explore(kernelspec: str, tmp_path: Path) -> None:
+    build, fork, approach_a, approach_b, back_to_a, cleanup = run_example(
+        "fork-explore.ipynb", tmp_path, kernelspec)
+    fingerprint = build.split("fingerprint ")[1].split()[0]
+    assert f"ready on {PROVIDER}" in build and "200 points" in build
+    assert fork.count("Forked sb-") == 2 and "(approach-a)" in fork and "(approach-b)" in fork
+    # Each fork has the data the original built, without recomputing it.
+    assert f"fingerprint {fingerprint} (same data" in approach_a
+    assert "Destroyed the previous sandbox" in approach_a
+    assert "least squares: slope 3.0" in approach_a
+    # B does not see A's work, and finds a slope closer to the truth despite the outliers.
+    assert "False\nTheil-Sen: slope 3.0" in approach_b
+    assert "least squares: slope 3.0" in back_to_a
+    slope = {name: float(text.split(": slope ")[1].split()[0])
+             for name, text in (("a", approach_a), ("b", approach_b))}
+    assert abs(slope["b"] - 3) < abs(slope["a"] - 3)
+    # Cleaned up: only approach B is left, and closing the notebook destroys it.
+    assert "will be destroyed" in cleanup
+    assert cleanup.count("(this notebook)") == 1 and "forked from sb-" in cleanup
+
+
+def test_pause_resume(kernelspec: str, tmp_path: Path) -> None:
+    step1, paused, step2, pause_resume, cost = run_example("pause-resume.ipynb", tmp_path, kernelspec)
+    assert "step 1 done: 399 factorials" in step1
+    assert " paused (" in paused and "state        paused" in paused
+    assert "was paused: resuming" in step2 and "step 2 done: 156411 digits" in step2
+    assert " paused (" in pause_resume and " running again (" in pause_resume
+    assert "(this notebook)" in cost and "running " in cost and "paused " in cost
+    assert "CreateOS, 2026-10-17" in cost
+
+
+def test_agent_tool(kernelspec: str, tmp_path: Path) -> None:
+    """Runs on the plain python3 kernel, which drives a sandbox kernel through jupyter_client."""
+    (_, _, _, first, state, error, runaway, host_file, _) = run_example(
+        "agent-tool.ipynb", tmp_path, "python3", kernel_name=kernelspec)
+    assert "'stdout': 'running in sb-" in first
+    assert "'result': '4'" in state
+    assert "'error': 'ZeroDivisionError: division by zero'" in error
+    assert "'error': 'stopped after 3 s'" in runaway and "'result': '8'" in runaway, runaway
+    assert "'stdout': 'False /workspace\\n'" in host_file
+
+
+@pytest.fixture
+def package_index(tmp_path: Path) -> Iterator[str]:
+    """A PEP 503 simple index with one tiny wheel, served on the host's loopback."""
+    root = tmp_path / "index"
+    wheel = build_wheel(root / "files")
+    project = root / "simple" / PACKAGE
+    project.mkdir(parents=True)
+    (project / "index.html").write_text(f'<a href="/files/{wheel.name}">{wheel.name}</a>\n')
+    with serving(root) as port:
+        yield f"http://127.0.0.1:{port}/simple"
+
+
+def build_wheel(directory: Path) -> Path:
+    """A pure-Python wheel for PACKAGE 1.0, with a correct RECORD."""
+    module, dist_info = PACKAGE.replace("-", "_"), f"{PACKAGE.replace('-', '_')}-1.0.dist-info"
+    files = {
+        f"{module}/__init__.py": b"GREETING = 'installed from the host index'\n",
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {PACKAGE}\nVersion: 1.0\n".encode(),
+        f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [f"{name},sha256={record_hash(data)},{len(data)}" for name, data in files.items()]
+    files[f"{dist_info}/RECORD"] = ("\n".join(record + [f"{dist_info}/RECORD,,"]) + "\n").encode()
+    directory.mkdir(parents=True)
+    path = directory / f"{module}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return path
+
+
+def record_hash(data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serving(root: Path) -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_egress_lockdown(kernelspec: str, tmp_path: Path, package_index: str) -> None:
+    (parameters, injected, lockdown, install, blocked, report, block_all) = run_example(
+        "egress-lockdown.ipynb", tmp_path, kernelspec, index_url=package_index, package=PACKAGE)
+    assert "egress: only 127.0.0.1" in lockdown
+    assert "Successfully installed hello-sandbox-1.0" in install and "imported hello_sandbox" in install
+    assert "refused: 403 Forbidden" in blocked and "no rule allows 203.0.113.10:80" in blocked
+    assert "only 127.0.0.1" in report and "refused   1 connection(s)" in report
+    assert "203.0.113.10:80" in report
+    assert "all outbound connections blocked" in block_all
+
+
+def test_egress_lockdown_without_an_index(kernelspec: str, tmp_path: Path) -> None:
+    """The defaults work offline: the install is skipped, the refusal still shown."""
+    texts = run_example("egress-lockdown.ipynb", tmp_path, kernelspec)
+    assert "install step skipped" in texts[2] and "refused: 403 Forbidden" in texts[3]
