@@ -22,6 +22,11 @@ DEFAULT_SHAPE = "s-1vcpu-1gb"
 # A sandbox the kernel creates pauses itself after this long with no exec: a crashed or
 # forgotten kernel stops using (and on CreateOS, paying for) vCPU. The next cell resumes it.
 DEFAULT_AUTO_PAUSE = 1800
+# Output floods: a cell shows at most this much output (MiB), and past a short burst its
+# writers are slowed to this rate (MiB/s); the runner in the sandbox enforces both.
+DEFAULT_OUTPUT_LIMIT_MIB = 64
+DEFAULT_OUTPUT_RATE_MIB = 8
+MIB = 1024 * 1024
 SHUTDOWN_POLICIES = ("destroy", "pause", "keep")
 LOCAL_ENGINE_URL_FOR_UDS = "http://localhost"
 
@@ -42,6 +47,8 @@ class Settings:
     on_shutdown: str | None = None  # destroy | pause | keep; None: destroy ours, keep adopted
     egress: list[str] | None = None  # rules for a sandbox the kernel creates; None: allow all
     auto_pause: int | None = DEFAULT_AUTO_PAUSE  # seconds; None: never
+    output_limit: int = DEFAULT_OUTPUT_LIMIT_MIB * MIB  # bytes of output a cell may show
+    output_rate: int = DEFAULT_OUTPUT_RATE_MIB * MIB  # bytes per second after a burst; 0: no limit
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -60,6 +67,8 @@ class Settings:
                    shape=env.get("SANDBOX_KERNEL_SHAPE") or DEFAULT_SHAPE,
                    base_url=env.get("CREATEOS_SANDBOX_BASE_URL") or DEFAULT_BASE_URL,
                    api_key=api_key, engine_transport=transport,
+                   output_limit=mebibytes_from(env, "SANDBOX_KERNEL_OUTPUT_LIMIT", DEFAULT_OUTPUT_LIMIT_MIB, 1),
+                   output_rate=mebibytes_from(env, "SANDBOX_KERNEL_OUTPUT_RATE", DEFAULT_OUTPUT_RATE_MIB, 0),
                    ).with_overrides(attach_to=env.get("SANDBOX_KERNEL_SANDBOX_ID") or None,
                                     on_shutdown=env.get("SANDBOX_KERNEL_ON_SHUTDOWN") or None,
                                     egress=env.get("SANDBOX_KERNEL_EGRESS") or None)
@@ -97,6 +106,20 @@ def auto_pause_from(text: str | None) -> int | None:
     if not 60 <= seconds <= 86400:
         raise ConfigError(f"SANDBOX_KERNEL_AUTO_PAUSE must be 60-86400 seconds or off, not {text!r}")
     return seconds
+
+
+def mebibytes_from(env: Mapping[str, str], name: str, default: float, least: int) -> int:
+    """A size in MiB (fractions allowed) from the environment, as bytes; at least `least` bytes."""
+    text = env.get(name, "").strip()
+    if not text:
+        return int(default * MIB)
+    try:
+        size = int(float(text) * MIB)
+    except (ValueError, OverflowError):  # not a number, or inf
+        size = -1
+    if size < least:
+        raise ConfigError(f"{name} must be a number of MiB{' above 0' if least else ''}, not {text!r}")
+    return size
 
 
 async def open_client(settings: Settings, state: Path | None = None) -> SandboxClient:

@@ -49,6 +49,17 @@ FORK_READY_TIMEOUT = 30.0  # seconds a forked child has to report that it serves
 FORK_NAMESPACES = ("user", "mnt", "uts", "ipc", "net")
 FORK_ERROR_MESSAGE = "this cell was running when the sandbox was forked; it continues only in the original sandbox"
 MAX_CELLS = 200  # beyond this many cells the oldest finished ones are forgotten
+# Output floods (a cell printing without end): each cell may show this much output
+# (characters of stream text plus the size of displays), then the rest is dropped with
+# one notice. Past a burst of OUTPUT_BURST_SECONDS' worth, writers are slowed to the rate
+# (bytes per second; 0: no rate limit), as by a slow terminal. The kernel sends its own
+# values with each cell.
+DEFAULT_OUTPUT_LIMIT = 64 * 1024 * 1024
+DEFAULT_OUTPUT_RATE = 8 * 1024 * 1024
+OUTPUT_BURST_SECONDS = 4.0
+# Events that count against the limit (and are dropped past it); the others (results,
+# errors, input requests) are one or few per cell and the kernel needs them.
+LIMITED_EVENTS = ("display_data", "update_display_data", "clear_output")
 CLIENT_COMMANDS = ("run", "attach", "request")
 USAGE = (
     "usage: runner.py serve DIR\n"
@@ -196,8 +207,9 @@ class Cell:
     """
 
     def __init__(self, cell_id: str, code: str, silent: bool, store_history: bool, journal_path: str,
-                 execution_count: int | None = None):
+                 execution_count: int | None, budget: OutputBudget):
         self.cell_id = cell_id
+        self.budget = budget  # how much more output it may show
         self.code = code
         self.silent = silent
         self.store_history = store_history
@@ -330,14 +342,69 @@ def _read_nonblocking(fd: int) -> bytes:
     return b"".join(data)
 
 
+class OutputBudget:
+    """How much more a cell may show, and how fast (see DEFAULT_OUTPUT_LIMIT).
+
+    Sizes are characters of stream text and encoded sizes of display events. The
+    rate is a token bucket holding OUTPUT_BURST_SECONDS of output: a 20 MB print
+    goes out at full speed, an endless one is slowed down before it hits the limit.
+    Used under the router's lock.
+    """
+
+    def __init__(self, limit: int, rate: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._rate = rate
+        self._capacity = rate * OUTPUT_BURST_SECONDS
+        self._tokens = self._capacity
+        self._refilled = time.monotonic()
+
+    @classmethod
+    def from_request(cls, request: dict) -> "OutputBudget":
+        """The kernel's values from a run request; defaults for what is missing or invalid."""
+        limit, rate = request.get("output_limit"), request.get("output_rate")
+        return cls(limit if _is_int_at_least(limit, 1) else DEFAULT_OUTPUT_LIMIT,
+                   rate if _is_int_at_least(rate, 0) else DEFAULT_OUTPUT_RATE)
+
+    def take(self, size: int) -> int:
+        """Admit up to size units of output; return how many fit under the limit."""
+        allowed = min(size, self.limit - self.used)
+        if allowed <= 0:
+            return 0
+        self.used += allowed
+        if self._rate:
+            now = time.monotonic()
+            self._tokens = min(self._capacity, self._tokens + (now - self._refilled) * self._rate) - allowed
+            self._refilled = now
+        return allowed
+
+    def delay(self) -> float:
+        """Seconds the writer should wait to keep to the rate (0 within it)."""
+        return -self._tokens / self._rate if self._rate and self._tokens < 0 else 0.0
+
+    def notice(self) -> str:
+        return ("[sandbox-kernel] output limit reached: %s shown, further output of this cell discarded\n"
+                % _mebibytes(self.limit))
+
+
+def _is_int_at_least(value: object, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _mebibytes(size: int) -> str:
+    return "%g MiB" % round(size / (1024 * 1024), 2)
+
+
 class OutputRouter:
     """The single funnel for everything the current cell outputs.
 
     Stream text is coalesced (flushed every FLUSH_INTERVAL or past MAX_PENDING
     characters) because one event per ``print`` would be far too slow; a
     change of stream and every other event flush it first, so the order the
-    user's code produced is preserved. Output while no cell runs goes to the
-    daemon's log.
+    user's code produced is preserved. Longer writes are cut into events of at
+    most MAX_PENDING characters, so no NDJSON line grows without bound. Each
+    cell's OutputBudget caps and paces its output. Output while no cell runs
+    goes to the daemon's log.
     """
 
     FLUSH_INTERVAL = 0.01
@@ -351,6 +418,7 @@ class OutputRouter:
         self._pending_name = ""
         self._pending: list[str] = []
         self._pending_size = 0
+        self._limit_noticed = False  # whether the current cell was told its output is dropped
 
     def start_threads(self) -> None:
         for target in (self._read_fds_forever, self._flush_forever):
@@ -384,6 +452,7 @@ class OutputRouter:
         with self._lock:
             self._absorb_fd_output()  # earlier output belongs to the log, not to this cell
             self._cell = cell
+            self._limit_noticed = False
 
     def end(self) -> None:
         with self._lock:
@@ -397,6 +466,9 @@ class OutputRouter:
             if self._capture.has_output():
                 self._absorb_fd_output()
             self._append(name, text)
+            delay = self._pace()
+        if delay:
+            time.sleep(delay)  # outside the lock; an interrupt lands here like in any sleep
 
     def emit(self, type_: str, **fields: object) -> None:
         """A non-stream event of the current cell (dropped outside cells)."""
@@ -405,8 +477,26 @@ class OutputRouter:
             self._flush()
             if self._cell is None:
                 self.log("dropped a %s event produced outside of any cell\n" % type_)
-            else:
-                self._cell.emit(type_, **fields)
+                return
+            if type_ in LIMITED_EVENTS:
+                size = len(_encode_line(fields))
+                if self._cell.budget.take(size) < size:
+                    self._notice_limit()
+                    return
+            self._cell.emit(type_, **fields)
+            delay = self._pace()
+        if delay:
+            time.sleep(delay)
+
+    def _pace(self) -> float:
+        return self._cell.budget.delay() if self._cell is not None else 0.0
+
+    def _notice_limit(self) -> None:
+        """Tell the cell, once, that its output is being dropped from now on."""
+        if not self._limit_noticed and self._cell is not None:
+            self._limit_noticed = True
+            self._flush()
+            self._cell.emit("stream", name="stderr", text=self._cell.budget.notice())
 
     def log(self, text: str) -> None:
         _write_all(self._capture.log_fds["stderr"], text.encode("utf-8", "replace"))
@@ -421,6 +511,17 @@ class OutputRouter:
         if self._cell is None:
             _write_all(self._capture.log_fds[name], text.encode("utf-8", "replace"))
             return
+        allowed = self._cell.budget.take(len(text))
+        shown = text if allowed == len(text) else text[:allowed]
+        if len(shown) > self.MAX_PENDING:
+            for start in range(0, len(shown), self.MAX_PENDING):
+                self._add_pending(name, shown[start:start + self.MAX_PENDING])
+        elif shown:
+            self._add_pending(name, shown)
+        if allowed < len(text):
+            self._notice_limit()
+
+    def _add_pending(self, name: str, text: str) -> None:
         if self._pending and name != self._pending_name:
             self._flush()
         if not self._pending:
@@ -451,6 +552,9 @@ class OutputRouter:
             self._capture.wait_readable()
             with self._lock:
                 self._absorb_fd_output()
+                delay = self._pace()
+            if delay:
+                time.sleep(delay)  # the pipes fill up meanwhile, which blocks their writers
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -1113,7 +1217,7 @@ class Daemon:
                 count = request.get("execution_count")
                 cell = Cell(cell_id, code, bool(request.get("silent")), bool(request.get("store_history", True)),
                             os.path.join(self.journal_dir, cell_id + ".ndjson"),
-                            count if isinstance(count, int) else None)
+                            count if isinstance(count, int) else None, OutputBudget.from_request(request))
                 self._cells[cell_id] = cell
                 self._forget_old_cells()
                 self._queue.put(cell)

@@ -386,7 +386,10 @@ class SandboxSession:
                         silent: bool, store_history: bool, execution_count: int | None) -> dict[str, Any]:
         client, sandbox_id = self._require()
         request: dict[str, Any] = {"cell_id": cell_id, "silent": silent,
-                                   "store_history": store_history}
+                                   "store_history": store_history,
+                                   # the runner caps and paces the cell's output with these
+                                   "output_limit": self.settings.output_limit,
+                                   "output_rate": self.settings.output_rate}
         if execution_count is not None:
             request["execution_count"] = execution_count
         if len(code.encode()) > MAX_INLINE_CODE:
