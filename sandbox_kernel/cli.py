@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from .api import SandboxAPIError
-from .config import ConfigError, Settings, open_client
+from .config import ENV_VARS, ConfigError, Settings, open_client
 from .paths import state_dir
 
 
@@ -29,11 +29,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_install(args: argparse.Namespace) -> int:
     from .kernelspec import install
 
-    env = {key: value for key, value in (
-        ("SANDBOX_KERNEL_PROVIDER", args.provider), ("SANDBOX_KERNEL_SHAPE", args.shape),
-        ("SANDBOX_KERNEL_EGRESS", args.egress), ("SANDBOX_KERNEL_AUTO_PAUSE", args.auto_pause),
-        ("SANDBOX_KERNEL_ON_SHUTDOWN", args.on_shutdown)) if value}
-    Settings.from_env({**env, "CREATEOS_SANDBOX_API_KEY": "checked-later"})  # refuse bad values now
+    options = {name: getattr(args, name) for name in
+               ("provider", "shape", "rootfs", "egress", "auto_pause", "on_shutdown")}
+    # Refuse bad values now, naming the flag (the key is the kernel's business, later).
+    Settings.from_env({"CREATEOS_SANDBOX_API_KEY": "checked-later"}, kernel_args=options,
+                      argument_name=lambda name: "--" + name.replace("_", "-"))
+    env = {ENV_VARS[name]: value for name, value in options.items() if value}
     name = args.name or ("sandbox-createos" if args.provider == "createos" else "sandbox")
     display = "Python (CreateOS sandbox)" if args.provider == "createos" else "Python (sandbox)"
     if args.shape:
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     install.add_argument("--provider", choices=("local", "createos"),
                          help="pin the provider (default: CreateOS when a key is set, else local)")
     install.add_argument("--shape", help="sandbox shape, e.g. s-2vcpu-4gb")
+    install.add_argument("--rootfs", help="root filesystem of new sandboxes, e.g. devbox:1")
     install.add_argument("--egress", help="egress rules for new sandboxes, comma-separated")
     install.add_argument("--auto-pause", help="seconds idle before a sandbox pauses (60-86400, or off)")
     install.add_argument("--on-shutdown", choices=("destroy", "pause", "keep"))

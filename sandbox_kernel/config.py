@@ -2,16 +2,23 @@
 
 With CREATEOS_SANDBOX_API_KEY set, the kernel talks to CreateOS; otherwise to the local
 engine, started on demand. Both are reached through the same SandboxClient: the only
-difference is the base URL and the key.
+difference is the base URL and the key. Options (shape, rootfs, egress, auto-pause...)
+come from a TOML config file, the environment and kernel arguments, in rising priority.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 from .api import SandboxClient
 from .egress_rules import EgressRuleError, validate as validate_egress
@@ -39,6 +46,7 @@ class ConfigError(ValueError):
 class Settings:
     provider: str  # "local" or "createos"
     shape: str = DEFAULT_SHAPE
+    rootfs: str | None = None  # None: the provider's default rootfs
     base_url: str = DEFAULT_BASE_URL
     api_key: str | None = field(default=None, repr=False)
     engine_transport: str = "unix"  # how the kernel reaches the local engine: unix or tcp
@@ -51,75 +59,144 @@ class Settings:
     output_rate: int = DEFAULT_OUTPUT_RATE_MIB * MIB  # bytes per second after a burst; 0: no limit
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+    def from_env(cls, env: Mapping[str, str] | None = None,
+                 kernel_args: Mapping[str, str | None] | None = None,
+                 argument_name: Callable[[str], str] = "--SandboxKernel.{}".format) -> Settings:
+        """Settings from the config file, then the environment, then kernel arguments
+        (each wins over the one before). The API key comes from the environment only.
+        argument_name(option) is how errors name a kernel argument."""
         env = os.environ if env is None else env
+        options = _Options(env, kernel_args or {}, argument_name)
         api_key = env.get("CREATEOS_SANDBOX_API_KEY") or None
-        provider = env.get("SANDBOX_KERNEL_PROVIDER") or ("createos" if api_key else "local")
-        if provider not in ("local", "createos"):
-            raise ConfigError(f"SANDBOX_KERNEL_PROVIDER must be 'local' or 'createos', not {provider!r}")
+        provider = options.choice("provider", ("local", "createos"), "createos" if api_key else "local")
         if provider == "createos" and not api_key:
             raise ConfigError("no CreateOS API key: set CREATEOS_SANDBOX_API_KEY "
                               "(or unset SANDBOX_KERNEL_PROVIDER to use the local engine)")
-        transport = env.get("SANDBOX_KERNEL_ENGINE_TRANSPORT", "unix")
-        if transport not in ("unix", "tcp"):
-            raise ConfigError(f"SANDBOX_KERNEL_ENGINE_TRANSPORT must be 'unix' or 'tcp', not {transport!r}")
-        return cls(provider=provider, auto_pause=auto_pause_from(env.get("SANDBOX_KERNEL_AUTO_PAUSE")),
-                   shape=env.get("SANDBOX_KERNEL_SHAPE") or DEFAULT_SHAPE,
-                   base_url=env.get("CREATEOS_SANDBOX_BASE_URL") or DEFAULT_BASE_URL,
-                   api_key=api_key, engine_transport=transport,
-                   output_limit=mebibytes_from(env, "SANDBOX_KERNEL_OUTPUT_LIMIT", DEFAULT_OUTPUT_LIMIT_MIB, 1),
-                   output_rate=mebibytes_from(env, "SANDBOX_KERNEL_OUTPUT_RATE", DEFAULT_OUTPUT_RATE_MIB, 0),
-                   ).with_overrides(attach_to=env.get("SANDBOX_KERNEL_SANDBOX_ID") or None,
-                                    on_shutdown=env.get("SANDBOX_KERNEL_ON_SHUTDOWN") or None,
-                                    egress=env.get("SANDBOX_KERNEL_EGRESS") or None)
-
-    def with_overrides(self, attach_to: str | None, on_shutdown: str | None,
-                       egress: str | None = None) -> Settings:
-        """These settings with the attach target, shutdown policy and egress rules
-        (comma- or space-separated) replaced where given."""
+        on_shutdown = options.text("on_shutdown")
         if on_shutdown is not None and on_shutdown not in SHUTDOWN_POLICIES:
-            raise ConfigError(f"the shutdown policy must be destroy, pause or keep, not {on_shutdown!r}")
-        rules = self.egress
-        if egress is not None:
-            try:
-                rules = validate_egress(egress.replace(",", " ").split())
-            except EgressRuleError as exc:
-                raise ConfigError(str(exc)) from None
-        return replace(self, attach_to=attach_to or self.attach_to,
-                       on_shutdown=on_shutdown or self.on_shutdown, egress=rules)
+            raise ConfigError(f"{options.source('on_shutdown')}: the shutdown policy must be "
+                              f"destroy, pause or keep, not {on_shutdown!r}")
+        return cls(provider=provider, api_key=api_key,
+                   shape=options.text("shape") or DEFAULT_SHAPE,
+                   rootfs=options.text("rootfs"),
+                   base_url=options.text("base_url") or DEFAULT_BASE_URL,
+                   engine_transport=options.choice("engine_transport", ("unix", "tcp"), "unix"),
+                   attach_to=options.text("sandbox_id"), on_shutdown=on_shutdown,
+                   egress=options.egress(), auto_pause=options.auto_pause(),
+                   output_limit=options.mebibytes("output_limit", DEFAULT_OUTPUT_LIMIT_MIB, 1),
+                   output_rate=options.mebibytes("output_rate", DEFAULT_OUTPUT_RATE_MIB, 0))
 
     @property
     def description(self) -> str:
         return "CreateOS" if self.provider == "createos" else "the local engine"
 
 
-def auto_pause_from(text: str | None) -> int | None:
-    """SANDBOX_KERNEL_AUTO_PAUSE: seconds (60-86400, as CreateOS allows), or 0/off for never."""
-    if text is None or not text.strip():
-        return DEFAULT_AUTO_PAUSE
-    if text.strip().lower() in ("0", "off", "never"):
-        return None
-    try:
-        seconds = int(text)
-    except ValueError:
-        seconds = -1
-    if not 60 <= seconds <= 86400:
-        raise ConfigError(f"SANDBOX_KERNEL_AUTO_PAUSE must be 60-86400 seconds or off, not {text!r}")
-    return seconds
+# Every option and its environment variable. In the config file an option is a key of the
+# same name (shape = "s-2vcpu-4gb"); as a kernel argument, --SandboxKernel.<option>=...
+ENV_VARS = {
+    "provider": "SANDBOX_KERNEL_PROVIDER",
+    "base_url": "CREATEOS_SANDBOX_BASE_URL",
+    "shape": "SANDBOX_KERNEL_SHAPE",
+    "rootfs": "SANDBOX_KERNEL_ROOTFS",
+    "auto_pause": "SANDBOX_KERNEL_AUTO_PAUSE",
+    "egress": "SANDBOX_KERNEL_EGRESS",
+    "on_shutdown": "SANDBOX_KERNEL_ON_SHUTDOWN",
+    "sandbox_id": "SANDBOX_KERNEL_SANDBOX_ID",
+    "engine_transport": "SANDBOX_KERNEL_ENGINE_TRANSPORT",
+    "output_limit": "SANDBOX_KERNEL_OUTPUT_LIMIT",
+    "output_rate": "SANDBOX_KERNEL_OUTPUT_RATE",
+}
 
 
-def mebibytes_from(env: Mapping[str, str], name: str, default: float, least: int) -> int:
-    """A size in MiB (fractions allowed) from the environment, as bytes; at least `least` bytes."""
-    text = env.get(name, "").strip()
-    if not text:
-        return int(default * MIB)
+def config_file_path(env: Mapping[str, str]) -> Path | None:
+    """$SANDBOX_KERNEL_CONFIG, else sandbox-kernel/config.toml in the XDG config dir."""
+    if env.get("SANDBOX_KERNEL_CONFIG"):
+        return Path(env["SANDBOX_KERNEL_CONFIG"]).expanduser()
+    base = env.get("XDG_CONFIG_HOME") or (env.get("HOME") and str(Path(env["HOME"]) / ".config"))
+    return Path(base) / "sandbox-kernel" / "config.toml" if base else None
+
+
+def read_config_file(path: Path) -> dict[str, str]:
+    """The options a TOML config file sets, as text; unknown options and API keys are refused."""
     try:
-        size = int(float(text) * MIB)
-    except (ValueError, OverflowError):  # not a number, or inf
-        size = -1
-    if size < least:
-        raise ConfigError(f"{name} must be a number of MiB{' above 0' if least else ''}, not {text!r}")
-    return size
+        table = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"the config file {path} is not valid TOML: {exc}") from None
+    if "api_key" in table:
+        raise ConfigError(f"{path}: keep the API key out of files; set CREATEOS_SANDBOX_API_KEY")
+    unknown = sorted(set(table) - set(ENV_VARS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown option {unknown[0]!r} (known: {', '.join(ENV_VARS)})")
+    return {name: " ".join(map(str, value)) if isinstance(value, list) else str(value).lower()
+            if isinstance(value, bool) else str(value) for name, value in table.items()}
+
+
+class _Options:
+    """Raw option values with where each came from, for one-line errors that name it."""
+
+    def __init__(self, env: Mapping[str, str], kernel_args: Mapping[str, str | None],
+                 argument_name: Callable[[str], str]) -> None:
+        self.values: dict[str, tuple[str, str]] = {}
+        path = config_file_path(env)
+        if path is not None and (path.exists() or "SANDBOX_KERNEL_CONFIG" in env):
+            for name, value in read_config_file(path).items():
+                self.values[name] = (value, f"{name} in {path}")
+        for name, variable in ENV_VARS.items():
+            if env.get(variable, "").strip():
+                self.values[name] = (env[variable], variable)
+        for name, value in kernel_args.items():
+            if value:
+                self.values[name] = (value, argument_name(name))
+
+    def text(self, name: str) -> str | None:
+        return self.values[name][0].strip() if name in self.values else None
+
+    def source(self, name: str) -> str:
+        return self.values[name][1]
+
+    def choice(self, name: str, allowed: tuple[str, ...], default: str) -> str:
+        value = self.text(name) or default
+        if value not in allowed:
+            raise ConfigError(f"{self.source(name)} must be {' or '.join(map(repr, allowed))}, not {value!r}")
+        return value
+
+    def egress(self) -> list[str] | None:
+        """Rules, comma- or space-separated; None (allow all) when not set."""
+        text = self.text("egress")
+        if text is None:
+            return None
+        try:
+            return validate_egress(text.replace(",", " ").split())
+        except EgressRuleError as exc:
+            raise ConfigError(f"{self.source('egress')}: {exc}") from None
+
+    def auto_pause(self) -> int | None:
+        """Seconds (60-86400, as CreateOS allows), or 0/off/never for never."""
+        text = self.text("auto_pause")
+        if text is None:
+            return DEFAULT_AUTO_PAUSE
+        if text.lower() in ("0", "off", "never", "false"):
+            return None
+        seconds = int(text) if text.isdigit() else -1
+        if not 60 <= seconds <= 86400:
+            raise ConfigError(f"{self.source('auto_pause')} must be 60-86400 seconds or off, not {text!r}")
+        return seconds
+
+    def mebibytes(self, name: str, default: float, least: int) -> int:
+        """A size in MiB (fractions allowed), as bytes; at least `least` bytes."""
+        text = self.text(name)
+        if text is None:
+            return int(default * MIB)
+        try:
+            size = int(float(text) * MIB)
+        except (ValueError, OverflowError):  # not a number, or inf
+            size = -1
+        if size < least:
+            raise ConfigError(f"{self.source(name)} must be a number of MiB{' above 0' if least else ''}, "
+                              f"not {text!r}")
+        return size
 
 
 async def open_client(settings: Settings, state: Path | None = None) -> SandboxClient:

@@ -36,6 +36,9 @@ log = logging.getLogger("sandbox_kernel.kernel")
 
 HANDOFF_MAX_AGE = 120.0  # a restart hand-off older than this is stale
 KERNEL_INFO_WAIT = 10.0
+# Options a kernel argument can set (--SandboxKernel.<name>=...); they win over the
+# environment and the config file.
+KERNEL_ARGUMENTS = ("sandbox_id", "on_shutdown", "egress", "shape", "rootfs", "auto_pause")
 
 T = TypeVar("T")
 
@@ -59,15 +62,18 @@ class SandboxKernel(Kernel):
                           ).tag(config=True)
     egress = Unicode("", help="egress allowlist for the sandbox the kernel creates, comma-separated"
                      ).tag(config=True)
+    shape = Unicode("", help="shape of the sandbox the kernel creates, e.g. s-2vcpu-4gb").tag(config=True)
+    rootfs = Unicode("", help="root filesystem of the sandbox the kernel creates").tag(config=True)
+    auto_pause = Unicode("", help="seconds idle before the sandbox pauses itself (60-86400, or off)"
+                         ).tag(config=True)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.settings: Settings | None = None
         self.config_error: str | None = None
         try:
-            self.settings = Settings.from_env().with_overrides(
-                attach_to=self.sandbox_id or None, on_shutdown=self.on_shutdown or None,
-                egress=self.egress or None)
+            self.settings = Settings.from_env(kernel_args={
+                name: getattr(self, name) for name in KERNEL_ARGUMENTS})
         except ConfigError as exc:
             self.config_error = str(exc)
         # Not `self.session`: that name is jupyter_client's Session in ipykernel.

@@ -134,7 +134,8 @@ class SandboxSession:
     async def _create(self) -> None:
         client = self._client()
         created = await client.create_sandbox(
-            CreateSandboxRequest(shape=self.settings.shape, egress=self.settings.egress,
+            CreateSandboxRequest(shape=self.settings.shape, rootfs=self.settings.rootfs,
+                                 egress=self.settings.egress,
                                  auto_pause_after_seconds=self.settings.auto_pause))
         self.sandbox_id = created.id
         self._track(await client.get_sandbox(created.id))

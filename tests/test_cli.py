@@ -39,7 +39,7 @@ def test_install_a_createos_variant_without_the_key(tmp_path: Path) -> None:
 def test_install_refuses_bad_values_in_one_line(tmp_path: Path) -> None:
     done = cli("install", "--prefix", str(tmp_path), "--egress", "10.0.0.0/33")
     assert done.returncode == 1
-    assert done.stderr.startswith("sandbox-kernel: invalid egress rule '10.0.0.0/33': bad CIDR")
+    assert done.stderr.startswith("sandbox-kernel: --egress: invalid egress rule '10.0.0.0/33': bad CIDR")
     assert done.stderr.count("\n") == 1
     assert not (tmp_path / "share").exists()
 

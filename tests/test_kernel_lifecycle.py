@@ -56,3 +56,27 @@ def test_failed_sandbox_start_is_one_line_and_the_kernel_lives(kernelspec: str,
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_config_file_and_kernel_arguments_choose_the_sandbox(
+        kernelspec: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('shape = "s-1vcpu-256mb"\nrootfs = "no-such-rootfs:1"\n')
+    monkeypatch.setenv("SANDBOX_KERNEL_CONFIG", str(config))
+    # The file's rootfs is refused by the service, in one line that names it.
+    km, kc = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT)
+    try:
+        lines = execute(kc, "1").text("stderr").splitlines()
+        assert len(lines) == 1 and "no-such-rootfs:1" in lines[0]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    # A kernel argument wins over the file; the file's shape still applies.
+    km, kc = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT,
+                              extra_arguments=["--SandboxKernel.rootfs=host-python"])
+    try:
+        [status] = execute(kc, "%sandbox status").of_type("display_data")
+        assert "s-1vcpu-256mb (1 vCPU, 256 MiB)" in status["data"]["text/plain"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
