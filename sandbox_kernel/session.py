@@ -45,12 +45,16 @@ from .cost import Cost, Meter
 log = logging.getLogger("sandbox_kernel.session")
 
 RUNNER_SOURCE = Path(__file__).with_name("runner.py")
+RUNNER_CLIENT_SOURCE = Path(__file__).with_name("runner_client.py")
 RUNNER_DIR = "/tmp/sandbox-kernel"
 RUNNER_PATH = f"{RUNNER_DIR}/runner.py"
+RUNNER_CLIENT_PATH = f"{RUNNER_DIR}/runner_client.py"
 SANDBOX_PYTHON = "python3"
 # Keep each exec argument well under Linux's 128 KiB per-argument limit.
 MAX_INLINE_CODE = 64 * 1024
 RUNNER_READY_TIMEOUT = 30.0
+READY_PROBE = 2.0  # seconds one readiness exec may wait in the sandbox
+NOT_READY_YET = 3  # its exit status when the runner is still starting
 RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
 # Without streaming exec, each buffered exec returns a cell's new events after at most this.
 POLL_WAIT = 1.0
@@ -235,22 +239,31 @@ class SandboxSession:
             raise
 
     async def start_runner(self) -> None:
-        """Upload runner.py and start its daemon; an older daemon is stopped first."""
+        """Upload runner.py and its client and start its daemon; an older daemon is stopped first."""
         client, sandbox_id = self._require()
         self._check(await client.exec(sandbox_id, "mkdir", ["-p", RUNNER_DIR]))
         await client.upload_file(sandbox_id, RUNNER_PATH, RUNNER_SOURCE.read_bytes())
+        await client.upload_file(sandbox_id, RUNNER_CLIENT_PATH, RUNNER_CLIENT_SOURCE.read_bytes())
         # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
         # the shutdown of a daemon that is not there.
         stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({"op": "shutdown"}))])
         script = (f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; "
                   f"nohup setsid {SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR} "
-                  f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 &")
+                  f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
         self._check(await client.exec(sandbox_id, "sh", ["-c", script]))
-        wait = (f"i=0; while [ ! -f {RUNNER_DIR}/ready ]; do i=$((i+1)); "
-                f"[ $i -gt {int(RUNNER_READY_TIMEOUT * 50)} ] && {{ tail -n 20 {RUNNER_DIR}/runner.log >&2; exit 1; }}; "
-                f"sleep 0.02; done; cat {RUNNER_DIR}/ready")
-        result = self._check(await client.exec(sandbox_id, "sh", ["-c", wait]),
-                             what="the Python runner did not start")
+        # Readiness by short execs, none held longer than READY_PROBE (a gateway may cut
+        # long ones); a runner that died (no python3, a crash) is reported at once.
+        probe = (f"i=0; while [ $i -lt {int(READY_PROBE * 50)} ]; do "
+                 f"[ -f {RUNNER_DIR}/ready ] && exec cat {RUNNER_DIR}/ready; "
+                 f"kill -0 $(cat {RUNNER_DIR}/runner.pid) 2>/dev/null || "
+                 f"{{ tail -n 20 {RUNNER_DIR}/runner.log >&2; exit 1; }}; "
+                 f"i=$((i+1)); sleep 0.02; done; exit {NOT_READY_YET}")
+        deadline = time.monotonic() + RUNNER_READY_TIMEOUT
+        while True:
+            response = await client.exec(sandbox_id, "sh", ["-c", probe])
+            if response.result.exit_code != NOT_READY_YET or time.monotonic() > deadline:
+                break
+        result = self._check(response, what="the Python runner did not start")
         self.runner_info = json.loads(result.stdout)
 
     @staticmethod
