@@ -88,7 +88,10 @@ class Settings:
 
     @property
     def description(self) -> str:
-        return "CreateOS" if self.provider == "createos" else "the local engine"
+        """Where sandboxes come from, as the first cell's status line says it."""
+        if self.provider == "createos":
+            return "CreateOS"
+        return "the local engine" if self.api_key else "the local engine (no CreateOS API key set)"
 
 
 # Every option and its environment variable. In the config file an option is a key of the

@@ -10,10 +10,13 @@ import pytest
 from sandbox_kernel.config import DEFAULT_AUTO_PAUSE, ConfigError, Settings, config_file_path
 
 
-def test_defaults_use_the_local_engine() -> None:
+def test_defaults_use_the_local_engine_and_say_why() -> None:
     settings = Settings.from_env({})
     assert (settings.provider, settings.shape, settings.auto_pause, settings.egress) == \
         ("local", "s-1vcpu-1gb", DEFAULT_AUTO_PAUSE, None)
+    assert settings.description == "the local engine (no CreateOS API key set)"
+    pinned = Settings.from_env({"SANDBOX_KERNEL_PROVIDER": "local", "CREATEOS_SANDBOX_API_KEY": "sk_x"})
+    assert pinned.description == "the local engine"
     assert "sk_secret" not in repr(Settings.from_env({"CREATEOS_SANDBOX_API_KEY": "sk_secret"}))
 
 
