@@ -242,6 +242,10 @@ class SandboxView(StatusAck):
     bandwidth_quota_bytes: Optional[int] = None
     forked_from: Optional[str] = None
     auto_pause_after_seconds: Optional[int] = None
+    # Local engine only (CreateOS does not send them): how many processes the memory limit
+    # killed so far, and which of the shape's limits this host enforces, in words.
+    oom_kills: Optional[int] = None
+    limits: Optional[str] = None
 
 
 class PatchSandboxRequest(WireModel):

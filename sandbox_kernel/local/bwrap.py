@@ -16,14 +16,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .limits import RLIMITS_ENV
+
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
 WORKSPACE = "/workspace"
+# Read-only inside: the engine creates the agent's listening socket on the host and hands
+# it to the agent, so code in the sandbox cannot replace the socket to pose as its agent.
 AGENT_DIR = "/run/sandbox-agent"
 AGENT_SOCKET = AGENT_DIR + "/agent.sock"
 GUEST_DIR = "/opt/sandbox-kernel"  # sandbox_kernel/local/guest, read-only
 AGENT_SCRIPT = GUEST_DIR + "/agent.py"
-FORKABLE_DIR = AGENT_DIR + "/forkable"  # processes that follow a fork register here
+FORKABLE_DIR = "/run/sandbox-forkable"  # processes that follow a fork register here
 EGRESS_PORT = 3128  # on the sandbox's loopback: the agent hands connections to the engine's proxy
 
 # Host /etc entries a Python sandbox reasonably needs; nothing with secrets in it.
@@ -37,11 +41,12 @@ class BwrapNotFound(RuntimeError):
     pass
 
 
-def launch_command(bwrap: str, args_fd: int) -> list[str]:
+def launch_command(bwrap: str, args_fd: int, listen_fd: int) -> list[str]:
     """bwrap reads its options from args_fd, so the sandbox's PID 1 (bwrap itself) shows
-    processes inside only this short command line, not host paths."""
+    processes inside only this short command line, not host paths. The agent serves the
+    socket inherited as listen_fd (bound at AGENT_SOCKET by the engine)."""
     return [bwrap, "--args", str(args_fd),
-            sys.executable, "-I", "-S", AGENT_SCRIPT, AGENT_SOCKET, WORKSPACE]
+            sys.executable, "-I", "-S", AGENT_SCRIPT, AGENT_SOCKET, WORKSPACE, str(listen_fd)]
 
 
 def find_bwrap() -> str:
@@ -79,12 +84,17 @@ class SandboxDirs:
     root: Path
 
     @property
+    def volume(self) -> Path:
+        """Holds workspace and tmp: the mount point of the size-capped disk, if any."""
+        return self.root / "volume"
+
+    @property
     def workspace(self) -> Path:
-        return self.root / "workspace"
+        return self.volume / "workspace"
 
     @property
     def tmp(self) -> Path:
-        return self.root / "tmp"
+        return self.volume / "tmp"
 
     @property
     def etc(self) -> Path:
@@ -94,10 +104,13 @@ class SandboxDirs:
     def agent(self) -> Path:
         return self.root / "agent"
 
+    @property
+    def agent_socket(self) -> Path:
+        return self.agent / "agent.sock"
+
     def create(self, hostname: str) -> None:
         for path in (self.workspace, self.tmp, self.etc, self.agent):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        (self.agent / "forkable").mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.tmp, 0o1777)
         (self.etc / "passwd").write_text(
             "root:x:0:0:root:/root:/bin/sh\n"
@@ -143,8 +156,12 @@ def proxy_env() -> dict[str, str]:
     return {**env, **{key.upper(): value for key, value in env.items()}}
 
 
-def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path) -> list[str]:
-    """bwrap's options for one sandbox (the command is in launch_command)."""
+def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path, seccomp_fd: int,
+                    rlimits: str = "") -> list[str]:
+    """bwrap's options for one sandbox (the command is in launch_command).
+
+    seccomp_fd: a readable fd holding the BPF filter (seccomp.py); rlimits: what the agent
+    must set on itself when no cgroup holds the limits (limits.Limiter.rlimits)."""
     hostname = "sandbox"
     python_bin = os.path.dirname(sys.executable)
     cmd = ["--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
@@ -169,11 +186,15 @@ def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path) -> list
     # Writable places first, so read-only mounts below may sit on top of them.
     cmd += ["--bind", str(dirs.workspace), WORKSPACE,
             "--bind", str(dirs.tmp), "/tmp",
-            "--bind", str(dirs.agent), AGENT_DIR]
+            "--ro-bind", str(dirs.agent), AGENT_DIR,
+            "--dir", FORKABLE_DIR]
     for root in python_roots():
         cmd += ["--ro-bind", root, root]
     cmd += ["--ro-bind", str(guest_dir), GUEST_DIR,
-            "--chdir", WORKSPACE, "--clearenv"]
-    for key, value in sandbox_env(sandbox_id, python_bin).items():
+            "--chdir", WORKSPACE, "--clearenv", "--seccomp", str(seccomp_fd)]
+    env = sandbox_env(sandbox_id, python_bin)
+    if rlimits:
+        env[RLIMITS_ENV] = rlimits  # the agent takes it out of its environment
+    for key, value in env.items():
         cmd += ["--setenv", key, value]
     return cmd

@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,8 +35,10 @@ from ..api.models import (
 from ..egress_rules import EgressRuleError, validate as validate_egress
 from .agent_client import AgentClient, AgentError, AgentUnavailable
 from .egress_gate import EgressGate
+from . import disk, seccomp
 from .bwrap import AGENT_DIR, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
-from .freezer import Freezer, Handle, SignalFreezer, select as select_freezer
+from .freezer import CgroupV2Freezer, Freezer, Handle, SignalFreezer, select as select_freezer
+from .limits import Applied, Limits, select as select_limiter
 
 log = logging.getLogger("sandbox_kernel.engine")
 
@@ -160,6 +163,7 @@ class LocalSandbox:
     envs: dict[str, str]
     egress: list[str]
     auto_pause_after_seconds: int | None
+    disk_mib: int  # the shape's default unless the create request asked for another size
     status: SandboxStatus = SandboxStatus.CREATING
     created_at: float = field(default_factory=time.time)
     running_at: float | None = None
@@ -176,10 +180,15 @@ class LocalSandbox:
     # Pausing: which freezer holds this sandbox's processes, and the pause/resume in flight.
     freezer: Freezer | None = None
     frozen: Handle | None = None
+    limited: Applied | None = None  # the shape's limits as held on this host
     transition: asyncio.Task | None = None
     # Auto-pause: last exec/file request (monotonic) and execs still streaming.
     last_activity: float = field(default_factory=time.monotonic)
     active_execs: int = 0
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(mem_mib=self.shape.mem_mib, vcpu=self.shape.vcpu, disk_mib=self.disk_mib)
 
     @property
     def agent(self) -> AgentClient:
@@ -189,14 +198,16 @@ class LocalSandbox:
         return SandboxView(
             id=self.id, status=self.status, name=self.name, shape=self.shape.id,
             rootfs=LOCAL_ROOTFS, vcpu=self.shape.vcpu, mem_mib=self.shape.mem_mib,
-            disk_mib=self.shape.default_disk_mib, created_at=rfc3339(self.created_at),
+            disk_mib=self.disk_mib, created_at=rfc3339(self.created_at),
             running_at=rfc3339(self.running_at) if self.running_at else None,
             destroyed_at=rfc3339(self.destroyed_at) if self.destroyed_at else None,
             ingress_enabled=False, spawn_ms=self.spawn_ms, egress=list(self.egress),
             envs=sorted(self.envs), auto_pause_after_seconds=self.auto_pause_after_seconds,
             forked_from=self.forked_from,
             paused_at=rfc3339(self.paused_at) if self.paused_at else None,
-            last_resumed_at=rfc3339(self.last_resumed_at) if self.last_resumed_at else None)
+            last_resumed_at=rfc3339(self.last_resumed_at) if self.last_resumed_at else None,
+            oom_kills=self.limited.oom_kills() if self.limited else None,
+            limits=self.limited.description if self.limited else None)
 
     def touch(self) -> None:
         self.last_activity = time.monotonic()
@@ -215,6 +226,9 @@ class Engine:
         self.last_activity = time.monotonic()
         self.freezer = select_freezer()
         log.info("pausing sandboxes with: %s", self.freezer.describe())
+        self.limiter = select_limiter(self.freezer.parent if isinstance(self.freezer, CgroupV2Freezer) else None)
+        self.disk_capped = disk.available()
+        self._reap_leftovers()
         self._auto_pauser: asyncio.Task | None = None
         # The engine's own API addresses: no egress rule may open them to a sandbox.
         self.api_addresses: list[tuple[str, int]] = []
@@ -262,7 +276,8 @@ class Engine:
         sandbox = LocalSandbox(
             id=sandbox_id, name=name, shape=shape, dirs=SandboxDirs(self.sandbox_root / sandbox_id),
             envs=dict(request.envs or {}), egress=checked_egress(request.egress),
-            auto_pause_after_seconds=request.auto_pause_after_seconds)
+            auto_pause_after_seconds=request.auto_pause_after_seconds,
+            disk_mib=request.disk_mib or shape.default_disk_mib)
         self.sandboxes[sandbox_id] = sandbox
         self._start_auto_pauser()
         try:
@@ -273,19 +288,35 @@ class Engine:
             raise
         return sandbox
 
+    @property
+    def disk_cap(self) -> str | None:
+        """How a sandbox's disk size is capped here, if it is."""
+        return "ext4 volume" if self.disk_capped else None
+
     async def _start(self, sandbox: LocalSandbox) -> None:
         started = time.monotonic()
+        sandbox.dirs.root.mkdir(mode=0o700, parents=True)
+        if self.disk_capped:
+            await asyncio.to_thread(disk.create, sandbox.dirs.root / "disk.img",
+                                    sandbox.dirs.volume, sandbox.disk_mib)
         sandbox.dirs.create(hostname="sandbox")
-        arguments = "\0".join(bwrap_arguments(sandbox.id, sandbox.dirs, GUEST_DIR)) + "\0"
+        listener = self._agent_listener(sandbox.dirs)
+        seccomp_fd = seccomp.program_fd()
+        arguments = "\0".join(bwrap_arguments(
+            sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd,
+            self.limiter.rlimits(sandbox.limits))) + "\0"
         args_read, args_write = os.pipe()
         log_file = open(sandbox.dirs.root / "bwrap.log", "ab")
         try:
             with log_file:
                 process = await asyncio.create_subprocess_exec(
-                    *launch_command(self.bwrap, args_read), pass_fds=(args_read,),
+                    *launch_command(self.bwrap, args_read, listener.fileno()),
+                    pass_fds=(args_read, seccomp_fd, listener.fileno()),
                     stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
         finally:
             os.close(args_read)
+            os.close(seccomp_fd)
+            listener.close()  # the agent has its own copy
         sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id})
         # bwrap is blocked reading its options: put it into the sandbox's cgroup now, so
         # every process the sandbox ever creates starts inside it.
@@ -301,7 +332,25 @@ class Engine:
         asyncio.get_running_loop().create_task(self._watch(sandbox.family))
         log.info("sandbox %s running (%d ms)", sandbox.id, sandbox.spawn_ms)
 
+    @staticmethod
+    def _agent_listener(dirs: SandboxDirs) -> socket.socket:
+        """The agent's listening socket, made here: its directory is read-only inside the
+        sandbox, so sandboxed code cannot swap in a socket of its own."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dir_fd = os.open(dirs.agent, os.O_PATH)  # as AgentClient: past the sun_path limit
+        try:
+            listener.bind(f"/proc/self/fd/{dir_fd}/{dirs.agent_socket.name}")
+            os.chmod(dirs.agent_socket, 0o600)  # (the directory is 0700 already)
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        finally:
+            os.close(dir_fd)
+        return listener
+
     def _attach(self, sandbox: LocalSandbox, pid: int, *more: int) -> None:
+        """Put the sandbox's first processes under its freezer and its limits."""
         try:
             sandbox.frozen = self.freezer.attach(sandbox.id, pid, *more)
             sandbox.freezer = self.freezer
@@ -312,6 +361,12 @@ class Engine:
                 self._fallback = SignalFreezer()
             sandbox.freezer = self._fallback
             sandbox.frozen = sandbox.freezer.attach(sandbox.id, pid, *more)
+        v2_cgroup = sandbox.frozen.cgroup if isinstance(sandbox.freezer, CgroupV2Freezer) else None
+        # A fork's files are a copy in memory (guest/nsfork.py): capped at the disk size
+        # like a tmpfs, but counted as memory.
+        disk_cap = self.disk_cap if sandbox.forked_from is None else "tmpfs"
+        sandbox.limited = self.limiter.attach(sandbox.id, sandbox.limits, (pid, *more),
+                                              v2_cgroup, disk_cap)
 
     async def _wait_for_agent(self, sandbox: LocalSandbox) -> None:
         deadline = time.monotonic() + AGENT_START_TIMEOUT
@@ -370,6 +425,8 @@ class Engine:
         if sandbox.freezer and sandbox.frozen:
             if family and not last and sandbox.id == family.founder:
                 sandbox.freezer.detach(sandbox.frozen, family.keepers)
+                if sandbox.limited:
+                    sandbox.limited.move(family.keepers)
             await asyncio.to_thread(sandbox.freezer.kill, sandbox.frozen)
         if last and family and family.process.returncode is None:
             family.process.kill()
@@ -377,7 +434,32 @@ class Engine:
         if sandbox.freezer and sandbox.frozen:
             await asyncio.to_thread(sandbox.freezer.release, sandbox.frozen)
             sandbox.frozen = None
-        await asyncio.to_thread(shutil.rmtree, sandbox.dirs.root, True)
+        if sandbox.limited:
+            await asyncio.to_thread(sandbox.limited.release)
+            sandbox.limited = None
+        await asyncio.to_thread(self._remove_dirs, sandbox.dirs)
+
+    @staticmethod
+    def _remove_dirs(dirs: SandboxDirs) -> None:
+        disk.remove(dirs.volume)
+        shutil.rmtree(dirs.root, True)
+
+    def _reap_leftovers(self) -> None:
+        """Clear what an engine that died left in this state dir: its sandboxes' processes
+        died with it (bwrap's --die-with-parent), but not their cgroups, volumes and files.
+        A frozen v1 cgroup would keep its processes alive, so it is thawed and emptied."""
+        stale = {entry.name for entry in os.scandir(self.sandbox_root) if entry.is_dir()}
+        if not stale:
+            return
+        log.info("removing %d sandboxes a previous engine left behind", len(stale))
+        for sandbox_id in stale:
+            leftover = self.freezer.attach_existing(sandbox_id)
+            if leftover is not None:
+                self.freezer.kill(leftover)
+                self.freezer.release(leftover)
+        self.limiter.reap(stale)
+        for sandbox_id in stale:
+            self._remove_dirs(SandboxDirs(self.sandbox_root / sandbox_id))
 
     def _forget_old_destroyed(self) -> None:
         destroyed = [sb for sb in self.sandboxes.values() if sb.status == SandboxStatus.DESTROYED]
@@ -432,7 +514,7 @@ class Engine:
             dirs=SandboxDirs(self.sandbox_root / child_id),
             envs=dict(source.envs if request.envs is None else request.envs),
             egress=list(source.egress) if request.egress is None else checked_egress(request.egress),
-            auto_pause_after_seconds=source.auto_pause_after_seconds,
+            auto_pause_after_seconds=source.auto_pause_after_seconds, disk_mib=source.disk_mib,
             family=source.family, forked_from=source.id)
         assert source.family is not None
         source.family.members.add(child.id)
@@ -448,11 +530,12 @@ class Engine:
         for the few milliseconds this takes, then paused again."""
         assert source.freezer and source.frozen and source.family
         started = time.monotonic()
+        child.dirs.root.mkdir(mode=0o700)  # so an engine restart finds what it left
         try:
             await asyncio.to_thread(source.freezer.thaw, source.frozen)
             try:
                 reply = await source.agent.fork(hostname="sandbox",
-                                                disk_mib=child.shape.default_disk_mib,
+                                                disk_mib=child.disk_mib,
                                                 env={"SANDBOX_ID": child.id})
                 agent_pid = source.family.host_pid(reply["pid"])
                 followers = [source.family.host_pid(pid) for pid in reply["followers"]]

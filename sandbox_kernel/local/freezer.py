@@ -66,6 +66,11 @@ class Freezer:
         later (a fork's agent and runner, which are born inside the source sandbox)."""
         raise NotImplementedError
 
+    def attach_existing(self, sandbox_id: str) -> Handle | None:
+        """A handle on what an earlier engine left of this sandbox (to kill and release),
+        or None if nothing of it is known here."""
+        return None
+
     def freeze(self, handle: Handle) -> None:
         """Return once no process of the sandbox can run; raise FreezerError otherwise."""
         raise NotImplementedError
@@ -190,6 +195,10 @@ class CgroupFreezer(Freezer):
     def attach(self, sandbox_id: str, pid: int, *more: int) -> Handle:
         self.parent.mkdir(exist_ok=True)
         return Handle(sandbox_id, pid, _new_cgroup(self.parent / sandbox_id, (pid, *more)), more)
+
+    def attach_existing(self, sandbox_id: str) -> Handle | None:
+        cgroup = self.parent / sandbox_id
+        return Handle(sandbox_id, 0, cgroup) if cgroup.is_dir() else None
 
     def detach(self, handle: Handle, pids: set[int]) -> None:
         _move(self.parent, pids)

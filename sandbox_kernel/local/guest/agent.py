@@ -41,6 +41,7 @@ import errno
 import json
 import os
 import signal
+import socket
 import stat
 import sys
 import threading
@@ -345,9 +346,10 @@ def kill_group(pid: int) -> None:
         pass
 
 
-async def serve(socket_path: str, workdir: str) -> None:
-    if os.path.exists(socket_path):
-        os.unlink(socket_path)
+async def serve(socket_path: str, workdir: str, listen_fd: int | None) -> None:
+    """Serve on the socket the engine bound for us (listen_fd: its directory is read-only
+    here, so nothing in the sandbox can put another socket in its place), or, in a fork,
+    on one made now at socket_path."""
     agent = Agent(socket_path, workdir)
     forkable = os.environ.get("SANDBOX_FORKABLE_DIR")
     if forkable:
@@ -355,8 +357,14 @@ async def serve(socket_path: str, workdir: str) -> None:
     egress_port = os.environ.get("SANDBOX_EGRESS_PORT")
     if egress_port:
         await asyncio.start_server(agent.egress_client, "127.0.0.1", int(egress_port))
-    server = await asyncio.start_unix_server(agent.handle, path=socket_path, limit=MAX_HEADER)
-    os.chmod(socket_path, 0o600)
+    if listen_fd is not None:
+        listener = socket.socket(fileno=listen_fd)
+        server = await asyncio.start_unix_server(agent.handle, sock=listener, limit=MAX_HEADER)
+    else:
+        if os.path.exists(socket_path):
+            os.unlink(socket_path)
+        server = await asyncio.start_unix_server(agent.handle, path=socket_path, limit=MAX_HEADER)
+        os.chmod(socket_path, 0o600)
     stop = asyncio.get_running_loop().create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set_result, None)
@@ -364,11 +372,25 @@ async def serve(socket_path: str, workdir: str) -> None:
         await stop
 
 
+def apply_rlimits() -> None:
+    """Set the limits the engine could not enforce with cgroups (SANDBOX_RLIMITS, e.g.
+    "data=536870912,nproc=512"), soft and hard, on this process and so on everything it
+    starts; without privilege nothing in the sandbox can raise them again."""
+    import resource
+
+    spec = os.environ.pop("SANDBOX_RLIMITS", "")
+    names = {"data": resource.RLIMIT_DATA, "nproc": resource.RLIMIT_NPROC}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        resource.setrlimit(names[name], (int(value), int(value)))
+
+
 def main(argv: list) -> int:
-    if len(argv) != 3:
-        sys.stderr.write("usage: agent.py SOCKET WORKDIR\n")
+    if len(argv) not in (3, 4):
+        sys.stderr.write("usage: agent.py SOCKET WORKDIR [LISTEN_FD]\n")
         return 2
-    asyncio.run(serve(argv[1], argv[2]))
+    apply_rlimits()
+    asyncio.run(serve(argv[1], argv[2], int(argv[3]) if len(argv) == 4 else None))
     return 0
 
 

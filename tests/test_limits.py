@@ -1,0 +1,226 @@
+"""The shape's limits on the local engine, and its hardening, tried for real.
+
+Each test runs commands in real sandboxes and looks at what the kernel of the host did:
+the OOM killer's count, EAGAIN from fork, ENOSPC, the CPU controller's throttling, EPERM
+from seccomp. Limits that this host cannot enforce are skipped with the reason (doctor
+reports the same).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from engine_helpers import running_engine, sandbox_pids
+from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
+from sandbox_kernel.local import disk
+from sandbox_kernel.local.freezer import select as select_freezer
+from sandbox_kernel.local.limits import PIDS_MAX, select as select_limiter
+from sandbox_kernel.local.service import EngineEndpoint
+
+pytestmark = pytest.mark.slow
+
+LIMITER = select_limiter()
+NEEDS_CGROUP_V1 = pytest.mark.skipif(
+    not {"memory", "cpu", "pids"} <= set(LIMITER.v1),
+    reason="cgroup v1 memory/cpu/pids hierarchies are not writable here")
+NEEDS_DISK_CAP = pytest.mark.skipif(not disk.available(), reason="capped volumes need root and loop devices")
+
+
+async def run(client: SandboxClient, sandbox_id: str, script: str) -> tuple[int, str]:
+    """Run a shell script in the sandbox: (exit code, stdout + stderr)."""
+    result = (await client.exec(sandbox_id, "sh", ["-c", script])).result
+    return result.exit_code, result.stdout + result.stderr
+
+
+def python(code: str) -> str:
+    return "python3 -c " + repr(code).replace("\\n", "\n")  # sh keeps the newlines
+
+
+@pytest.fixture
+async def client(engine: EngineEndpoint) -> AsyncIterator[SandboxClient]:
+    async with SandboxClient(engine.url, engine.token) as api:
+        yield api
+
+
+@pytest.fixture
+async def sandbox(client: SandboxClient) -> AsyncIterator[str]:
+    created = await client.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb", disk_mib=64))
+    yield created.id
+    await client.delete_sandbox(created.id)
+
+
+@NEEDS_CGROUP_V1
+async def test_the_sandbox_view_says_which_limits_hold(client: SandboxClient, sandbox: str) -> None:
+    view = await client.get_sandbox(sandbox)
+    assert view.limits is not None
+    assert view.limits.startswith(
+        f"memory 256 MiB (cgroup v1), cpu 1 vCPU (cgroup v1), pids {PIDS_MAX} (cgroup v1), disk 64 MiB")
+    assert view.oom_kills == 0
+
+
+@NEEDS_CGROUP_V1
+async def test_a_memory_bomb_is_killed_and_counted_and_others_keep_working(
+        client: SandboxClient, sandbox: str) -> None:
+    other = (await client.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb"))).id
+    try:
+        code, output = await run(client, sandbox, python("b = b'x' * (512 << 20)\nprint('survived')"))
+        assert code == 137 and "survived" not in output  # SIGKILL from the OOM killer
+        assert (await client.get_sandbox(sandbox)).oom_kills == 1
+        assert await run(client, sandbox, "echo still here") == (0, "still here\n")
+        assert await run(client, other, "echo unaffected") == (0, "unaffected\n")
+        assert (await client.get_sandbox(other)).oom_kills == 0
+    finally:
+        await client.delete_sandbox(other)
+
+
+@NEEDS_CGROUP_V1
+async def test_a_fork_bomb_stops_at_the_pids_limit(client: SandboxClient, sandbox: str) -> None:
+    bomb = python(
+        "import os, signal, time\n"
+        "children = []\n"
+        "try:\n"
+        "    while len(children) < 5000:\n"
+        "        pid = os.fork()\n"
+        "        if pid == 0:\n"
+        "            time.sleep(30)\n"
+        "            os._exit(0)\n"
+        "        children.append(pid)\n"
+        "except OSError as exc:\n"
+        "    print(len(children), exc.errno)\n"
+        "for pid in children:\n"
+        "    os.kill(pid, signal.SIGKILL)\n")
+    code, output = await run(client, sandbox, bomb)
+    started, errno_ = output.split()
+    assert code == 0 and errno_ == "11"  # EAGAIN
+    assert 400 < int(started) < PIDS_MAX  # the agent, sh and python count too
+    assert await run(client, sandbox, "echo after") == (0, "after\n")
+
+
+@NEEDS_DISK_CAP
+async def test_filling_the_disk_gives_enospc_inside_and_costs_the_host_only_the_cap(
+        client: SandboxClient, sandbox: str, state_dir: Path) -> None:
+    code, output = await run(client, sandbox,
+                             "dd if=/dev/zero of=/workspace/fill bs=1M count=200; "
+                             "dd if=/dev/zero of=/tmp/more bs=1M count=10")
+    assert code != 0 and output.count("No space left on device") == 2
+    image = state_dir / "sandboxes" / sandbox / "disk.img"
+    assert image.stat().st_blocks * 512 <= 70 << 20  # the 64 MiB volume, nothing more
+    code, output = await run(client, sandbox, "rm /workspace/fill && echo x > /workspace/ok && cat /workspace/ok")
+    assert (code, output) == (0, "x\n")
+
+
+@NEEDS_CGROUP_V1
+async def test_cpu_spin_in_many_processes_gets_one_vcpu(client: SandboxClient, sandbox: str) -> None:
+    spin = python(
+        "import os, time\n"
+        "start = time.time()\n"
+        "for _ in range(4):\n"
+        "    if os.fork() == 0:\n"
+        "        while time.time() - start < 3:\n"
+        "            pass\n"
+        "        os._exit(0)\n"
+        "for _ in range(4):\n"
+        "    os.wait()\n"
+        "used = os.times()\n"
+        "print((used.children_user + used.children_system) / (time.time() - start))\n")
+    code, output = await run(client, sandbox, spin)
+    assert code == 0
+    # 4 busy processes, 1 vCPU: never the host's 2 cores. (A loaded host gives less anyway,
+    # so also check that the quota is set and every process of the sandbox is under it.)
+    assert float(output) < 1.25
+    cgroup = LIMITER.v1["cpu"] / sandbox
+    assert int((cgroup / "cpu.cfs_quota_us").read_text()) == int((cgroup / "cpu.cfs_period_us").read_text())
+    assert set(sandbox_pids(sandbox)) <= {int(pid) for pid in (cgroup / "cgroup.procs").read_text().split()}
+
+
+async def test_seccomp_blocks_dangerous_calls_with_eperm(client: SandboxClient, sandbox: str) -> None:
+    from sandbox_kernel.local.seccomp import ARCHITECTURES
+    import platform
+
+    numbers = ARCHITECTURES[platform.machine()][1]
+    names = ("init_module", "finit_module", "kexec_load", "bpf", "ptrace", "keyctl",
+             "userfaultfd", "perf_event_open", "open_by_handle_at")
+    probe = python(
+        "import ctypes, sys\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "for number in map(int, sys.argv[1:]):\n"
+        "    ctypes.set_errno(0)\n"
+        "    print(libc.syscall(number, 0, 0, 0, 0, 0), ctypes.get_errno())\n"
+        "TIOCSTI = 0x5412\n"
+        "print(libc.ioctl(0, TIOCSTI, b'x'), ctypes.get_errno())\n"
+        "print(libc.personality(0x0040000), ctypes.get_errno())\n"  # ADDR_NO_RANDOMIZE
+        "print(libc.personality(0xffffffff) >= 0)\n")
+    code, output = await run(client, sandbox, f"{probe} {' '.join(str(numbers[n]) for n in names)}")
+    lines = output.splitlines()
+    assert code == 0, output
+    assert lines[:-1] == ["-1 1"] * (len(names) + 2)  # EPERM = 1, for each and both ioctl/personality
+    assert lines[-1] == "True"  # an allowed call still works
+    code, output = await run(client, sandbox, "grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status")
+    assert output.split() == ["NoNewPrivs:", "1", "Seccomp:", "2"]
+
+
+async def test_the_agent_socket_cannot_be_replaced_from_inside(client: SandboxClient, sandbox: str) -> None:
+    code, output = await run(client, sandbox,
+                             "rm -f /run/sandbox-agent/agent.sock; touch /run/sandbox-agent/x; "
+                             "mv /run/sandbox-agent /run/elsewhere; ls /run/sandbox-agent")
+    assert output.count("Read-only file system") == 2 and "agent.sock" in output
+    assert await run(client, sandbox, "echo agent still answers") == (0, "agent still answers\n")
+
+
+async def test_rlimits_hold_when_no_cgroup_is_used(tmp_path: Path) -> None:
+    """SANDBOX_KERNEL_LIMITS=rlimit: what a host without cgroup access gets."""
+    with running_engine(tmp_path, SANDBOX_KERNEL_LIMITS="rlimit") as endpoint:
+        async with SandboxClient(endpoint.url, endpoint.token) as api:
+            created = await api.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb"))
+            view = await api.get_sandbox(created.id)
+            assert view.limits is not None
+            assert view.limits.startswith("memory 256 MiB (rlimit, per process), cpu: not enforced")
+            code, output = await run(api, created.id, python(
+                "try:\n    b = bytearray(300 << 20)\nexcept MemoryError:\n    print('MemoryError')\n"
+                "import resource\nprint(resource.getrlimit(resource.RLIMIT_DATA))"))
+            assert (code, output) == (0, f"MemoryError\n({256 << 20}, {256 << 20})\n")
+            await api.delete_sandbox(created.id)
+
+
+def test_a_killed_engine_leaves_no_process_and_the_next_one_reaps_the_rest(tmp_path: Path) -> None:
+    async def start_busy_sandbox(endpoint: EngineEndpoint) -> str:
+        async with SandboxClient(endpoint.url, endpoint.token) as api:
+            created = await api.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb"))
+            await run(api, created.id, "nohup sleep 300 >/dev/null 2>&1 &")
+            return created.id
+
+    log = open(tmp_path / "engine.log", "ab")
+    engine = subprocess.Popen([sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(tmp_path)],
+                              stdout=log, stderr=log, start_new_session=True)
+    try:
+        from sandbox_kernel.local.service import read_endpoint
+
+        deadline = time.monotonic() + 30
+        while (endpoint := read_endpoint(tmp_path)) is None:
+            assert time.monotonic() < deadline and engine.poll() is None, "engine did not start"
+            time.sleep(0.05)
+        sandbox_id = asyncio.run(start_busy_sandbox(endpoint))
+        assert sandbox_pids(sandbox_id, b"sleep")
+    finally:
+        engine.send_signal(signal.SIGKILL)
+        engine.wait()
+    deadline = time.monotonic() + 10
+    while sandbox_pids(sandbox_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sandbox_pids(sandbox_id) == []  # bwrap --die-with-parent took the sandbox down
+    leftovers = tmp_path / "sandboxes" / sandbox_id
+    assert leftovers.is_dir()
+    with running_engine(tmp_path):
+        assert not leftovers.exists()
+        assert not disk.is_mounted(leftovers / "volume")
+        cgroup_parents = [*LIMITER.v1.values(), getattr(select_freezer(), "parent", None)]
+        for parent in filter(None, cgroup_parents):
+            assert not (parent / sandbox_id).exists()
