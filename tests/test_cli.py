@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from jupyter_client.manager import start_new_kernel
 
 from engine_helpers import sandbox_status
@@ -44,19 +45,25 @@ def test_install_refuses_bad_values_in_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "share").exists()
 
 
-def test_ls_and_rm_against_the_engine(engine: EngineEndpoint) -> None:
+@pytest.mark.parametrize("via", ["local engine", "CreateOS code path"])
+def test_ls_and_rm_against_the_engine(engine: EngineEndpoint, via: str) -> None:
+    # The CreateOS code path: base URL and key, as for the cloud (gc is tested both ways
+    # with the kernel tests).
+    env = ({"CREATEOS_SANDBOX_BASE_URL": engine.url, "CREATEOS_SANDBOX_API_KEY": engine.token}
+           if via == "CreateOS code path" else {})
+
     async def create() -> str:
         async with SandboxClient(engine.url, engine.token) as client:
             return (await client.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb", name="cli-test"))).id
 
     sandbox_id = asyncio.run(create())
-    listed = cli("ls")
+    listed = cli("ls", **env)
     assert listed.returncode == 0, listed.stderr
     assert any(line.startswith(sandbox_id) and "cli-test" in line for line in listed.stdout.splitlines())
-    removed = cli("rm", sandbox_id)
+    removed = cli("rm", sandbox_id, **env)
     assert removed.stdout == f"{sandbox_id}: destroyed\n"
     assert sandbox_status(engine, sandbox_id) == SandboxStatus.DESTROYED
-    missing = cli("rm", "sb-no-such")
+    missing = cli("rm", "sb-no-such", **env)
     assert missing.returncode == 1 and missing.stderr.startswith("sandbox-kernel: sandbox not found")
 
 
