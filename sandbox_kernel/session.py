@@ -87,8 +87,9 @@ def encode_arg(message: dict[str, Any]) -> str:
 
 
 def runner_client(*args: str) -> list[str]:
-    """Arguments of a short-lived runner client (no site-packages: it needs only the stdlib)."""
-    return ["-I", "-S", RUNNER_PATH, *args]
+    """Arguments of a short-lived runner client: runner_client.py, which starts in a bare
+    interpreter's time (no site-packages, only built-in modules), once per cell."""
+    return ["-I", "-S", RUNNER_CLIENT_PATH, *args]
 
 
 def runner_failed(output: str) -> SessionError:
@@ -475,6 +476,7 @@ class SandboxSession:
         """Close the session; the sandbox is destroyed, paused or kept per `policy`."""
         if self.client is None:
             return
+        await self._stop_refill()
         policy = policy or self.on_shutdown
         try:
             if self.sandbox_id and policy == "destroy":
