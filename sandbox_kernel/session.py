@@ -78,6 +78,10 @@ class SessionError(Exception):
     """Something the notebook user should read as one line."""
 
 
+class RunnerGone(SessionError):
+    """The runner daemon died (mid-cell or before it): its client answered {"error": ...}."""
+
+
 class StreamingUnavailable(Exception):
     """The sandbox service cannot stream exec output (CreateOS: 404, or an `error` frame)."""
 
@@ -116,6 +120,9 @@ class SandboxSession:
         # Topping up the warm pool after this kernel claimed from it (pool.py).
         self.pool_refill: asyncio.Task[None] | None = None
         self.making_pool_member = False
+        # Local engine: the OOM kills seen in each sandbox's view (more later = the memory
+        # limit killed something since).
+        self.oom_kills: dict[str, int] = {}
 
     # -- start ----------------------------------------------------------------------------
 
@@ -297,6 +304,8 @@ class SandboxSession:
         if view.id not in self.known:
             self.known.append(view.id)
             ownership.claim(view.id)
+        if view.oom_kills is not None:
+            self.oom_kills[view.id] = view.oom_kills
         self.meter.observe(view)
         return view
 
@@ -437,13 +446,28 @@ class SandboxSession:
 
     async def _follow(self, stream: _EventStream, request: dict[str, Any]) -> dict[str, Any] | None:
         """One exec of `runner.py run`: streamed if the service can, else one poll."""
-        if self.streaming:
-            try:
-                return await stream.follow(self, ["run", RUNNER_DIR, encode_arg({**request, "wait": None})])
-            except StreamingUnavailable as exc:
-                log.warning("streaming exec unavailable (%s): following cells by polling", exc)
-                self.streaming = False
-        return await stream.poll(self, ["run", RUNNER_DIR, encode_arg({**request, "wait": POLL_WAIT})])
+        try:
+            if self.streaming:
+                try:
+                    return await stream.follow(self, ["run", RUNNER_DIR, encode_arg({**request, "wait": None})])
+                except StreamingUnavailable as exc:
+                    log.warning("streaming exec unavailable (%s): following cells by polling", exc)
+                    self.streaming = False
+            return await stream.poll(self, ["run", RUNNER_DIR, encode_arg({**request, "wait": POLL_WAIT})])
+        except RunnerGone as exc:
+            raise await self._runner_died(exc) from None
+
+    async def _runner_died(self, exc: RunnerGone) -> SessionError:
+        """Start a fresh runner, so the next cell works, and say why the old one died
+        (the memory limit, if the sandbox's OOM kill count went up) and what was lost."""
+        log.warning("the runner died: %s", exc)
+        seen = self.oom_kills.get(self.sandbox_id or "", 0)
+        view = await self.view()
+        await self.start_runner()
+        lost = "the runner restarted: variables and imports are gone, files are kept"
+        if (view.oom_kills or 0) > seen:
+            return SessionError(f"cell killed: memory limit {view.mem_mib} MiB reached; {lost}")
+        return SessionError(f"the Python runner in the sandbox died ({exc}); {lost}")
 
     async def runner_request(self, message: dict[str, Any]) -> dict[str, Any]:
         """One-shot runner operation (interrupt, input, complete, inspect, info)."""
@@ -490,6 +514,24 @@ class SandboxSession:
             self.client = None
 
 
+class _LineSplitter:
+    """Cuts a stream of text chunks into lines. A long line (a big image, say) arrives in
+    many chunks: they are joined once at its end, not re-scanned on every chunk."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []  # the unfinished line
+
+    def feed(self, chunk: str) -> list[str]:
+        """The lines this chunk completes."""
+        if "\n" not in chunk:
+            self._parts.append(chunk)
+            return []
+        first, *rest = chunk.split("\n")
+        complete = ["".join([*self._parts, first]), *rest[:-1]]
+        self._parts = [rest[-1]]
+        return complete
+
+
 class _EventStream:
     """Reads one exec's NDJSON events, skipping any already delivered (by seq)."""
 
@@ -501,7 +543,7 @@ class _EventStream:
     async def follow(self, session: SandboxSession, runner_args: list[str]) -> dict[str, Any] | None:
         """Deliver new events until `done` (returned) or the stream breaks (None)."""
         client, sandbox_id = session._require()
-        pending = ""
+        lines = _LineSplitter()
         stderr = ""
         seen_output = False
         self.broken = True
@@ -518,9 +560,7 @@ class _EventStream:
                         return None
                     if frame.stdout:
                         seen_output = True
-                        pending += frame.stdout
-                        *lines, pending = pending.split("\n")
-                        for line in lines:
+                        for line in lines.feed(frame.stdout):
                             done = await self._deliver(line)
                             if done is not None:
                                 return done
@@ -548,6 +588,8 @@ class _EventStream:
             return None
         result = response.result
         if result.exit_code != 0:
+            for line in result.stdout.split("\n"):
+                await self._deliver(line)  # raises RunnerGone at the client's error line
             raise runner_failed(result.error or result.stderr)
         self.broken = False
         for line in result.stdout.split("\n"):
@@ -559,7 +601,13 @@ class _EventStream:
     async def _deliver(self, line: str) -> dict[str, Any] | None:
         if not line.strip():
             return None
-        event = json.loads(line)
+        try:
+            event = json.loads(line)
+        except ValueError:  # cut off: the runner died while sending it (its client says so next)
+            log.warning("skipped a partial event line from the runner")
+            return None
+        if "seq" not in event:  # the runner's client: {"error": ...}
+            raise RunnerGone(str(event.get("error") or event))
         if event["seq"] <= self.last_seq:
             return None  # replayed by attach: already delivered
         self.last_seq = event["seq"]
