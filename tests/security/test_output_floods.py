@@ -140,6 +140,16 @@ def test_huge_line_from_a_file_descriptor(default_kernel) -> None:
     assert_next_cell_works(kc)
 
 
+def test_a_huge_display_arrives_whole(default_kernel) -> None:
+    """One 20 MB event: a single NDJSON line spread over hundreds of exec frames."""
+    _, kc = default_kernel
+    size = 20_000_000
+    result = execute(kc, f"from IPython.display import display\ndisplay({{'text/plain': 'd' * {size}}}, raw=True)")
+    assert result.reply["content"]["status"] == "ok"
+    assert [m["data"]["text/plain"] for m in result.of_type("display_data")] == ["d" * size]
+    assert_next_cell_works(kc)
+
+
 def test_binary_garbage_keeps_the_framing(default_kernel) -> None:
     _, kc = default_kernel
     code = ("import os, random, sys\n"
