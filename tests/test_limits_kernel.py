@@ -27,3 +27,5 @@ def test_a_memory_bomb_ends_the_cell_with_one_line_and_the_next_cell_works(kerne
         assert after.reply["content"]["status"] == "ok"
         assert after.text() == "False 42\n"
         assert "reached" not in execute(kc, "print(1)").text("stderr")  # said once, not again
+        [status] = execute(kc, "%sandbox status").of_type("display_data")
+        assert "\nlimits       memory 256 MiB (cgroup v" in status["data"]["text/plain"]
