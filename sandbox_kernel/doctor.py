@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import ConfigError, Settings
+from .config import DEFAULT_SHAPE, ConfigError, Settings
 from .local.bwrap import BwrapNotFound, find_bwrap
 from .paths import state_dir
 
@@ -69,12 +69,38 @@ def pause_line() -> str:
     return f"✓ pause: {freezer.describe()}; a paused sandbox gets no CPU"
 
 
+def limits_line(shape_id: str) -> str:
+    """Which of the shape's limits a local sandbox gets here (probed as the engine does)."""
+    from .local import disk
+    from .local.engine import SHAPES
+    from .local.freezer import CgroupV2Freezer, FreezerError, select as select_freezer
+    from .local.limits import Limits, LimitsError, select as select_limiter
+
+    shape = next((s for s in SHAPES if s.id == shape_id), SHAPES[0])
+    try:
+        freezer = select_freezer()
+    except FreezerError:
+        freezer = None
+    try:
+        limiter = select_limiter(freezer.parent if isinstance(freezer, CgroupV2Freezer) else None)
+    except LimitsError as exc:
+        return f"✗ limits: {exc}"
+    described = limiter.describe(Limits(shape.mem_mib, shape.vcpu, shape.default_disk_mib),
+                                 "ext4 volume" if disk.available() else None)
+    if "not enforced" in described or "rlimit" in described:
+        return (f"✗ limits ({shape.id}): {described}. Cgroups need root or a delegated cgroup, the disk "
+                "cap needs root; use CreateOS for hard limits")
+    return f"✓ limits ({shape.id}): {described}"
+
+
 def report() -> tuple[bool, list[str]]:
     lines = [f"sandbox-kernel doctor — {platform.system()} {platform.release()}, "
              f"Python {platform.python_version()} ({sys.executable})"]
     ok = True
+    shape = DEFAULT_SHAPE
     try:
         settings = Settings.from_env()
+        shape = settings.shape
         key = "set" if settings.api_key else "not set"
         lines.append(f"provider: {settings.description} (CREATEOS_SANDBOX_API_KEY {key})")
     except ConfigError as exc:
@@ -100,7 +126,9 @@ def report() -> tuple[bool, list[str]]:
                      " no host home, host /proc or host sockets")
         lines.append("  ✓ network: loopback only (no network device); out only through the engine's egress "
                      "proxy (127.0.0.1:3128 inside), which applies the sandbox's rules")
-        lines.append("  ✓ privileges: all capabilities dropped, no_new_privs (bwrap)")
+        lines.append("  ✓ privileges: all capabilities dropped, no_new_privs; a seccomp filter makes kernel "
+                     "modules, kexec, bpf, perf, keyrings, ptrace, io_uring, userfaultfd and clock "
+                     "changes fail with EPERM (see sandbox_kernel/local/seccomp.py)")
     else:
         ok = False
         lines.append(f"  ✗ a test sandbox failed: {detail}")
@@ -109,8 +137,7 @@ def report() -> tuple[bool, list[str]]:
     lines.append(f"  cgroups: {cgroup_version()}, running as uid {os.getuid()}")
     lines.append("  " + pause_line())
     lines.append("  " + fork_line())
-    lines.append("  ✗ limits: the shape's memory, CPU, process and disk limits are NOT enforced yet "
-                 "on the local engine (planned); use CreateOS for hard limits")
+    lines.append("  " + limits_line(shape))
 
     lines.append("")
     lines.append("sandbox Python (the engine's environment, shared read-only):")

@@ -71,7 +71,7 @@ def test_doctor_says_what_holds(engine: EngineEndpoint) -> None:
     done = cli("doctor")
     assert done.returncode == 0, done.stdout
     for expected in ("✓ namespaces: user, pid, net, ipc, uts, mount", "✓ pause:", "✓ fork:",
-                     "✓ network: loopback only", "✗ limits:", "engine: running"):
+                     "✓ network: loopback only", "limits (s-1vcpu-1gb): memory 1024 MiB (", "engine: running"):
         assert expected in done.stdout
 
 
