@@ -2,8 +2,8 @@
 
     python bench/lifecycle.py [--repeat N] [--mib M]
 
-Starts its own local engine (private state dir), creates a sandbox through the same
-session code the kernel uses, fills the runner with M MiB of live objects, then times
+Also one measure of bench/run.py. Starts its own local engine (private state dir) when
+run alone, creates a sandbox through the same session code the kernel uses, fills the runner with M MiB of live objects, then times
 each operation as a client sees it: from the API call until GET reports the target
 status (for fork: until the child is running and its runner answers). Prints median and
 p95 over N repeats. Not a test: nothing here asserts a time.
@@ -15,17 +15,16 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import tempfile
 import time
 
+from common import Row, ms, summary
 from sandbox_kernel.config import Settings
 from sandbox_kernel.session import SandboxSession
 
-
-def summary(name: str, seconds: list[float]) -> str:
-    ordered = sorted(seconds)
-    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    return f"{name:<8} median {statistics.median(ordered) * 1000:8.1f} ms   p95 {p95 * 1000:8.1f} ms   (n={len(ordered)})"
+# Targets on the local engine, in seconds.
+TARGETS = {"pause": 0.1, "resume": 0.1, "fork": 1.0}
 
 
 async def fill(session: SandboxSession, mib: int) -> None:
@@ -40,7 +39,8 @@ async def fill(session: SandboxSession, mib: int) -> None:
     await session.run_cell("setup-fill", code, ignore)
 
 
-async def measure(repeat: int, mib: int) -> None:
+async def measure(repeat: int, mib: int) -> dict[str, list[float]]:
+    """Seconds per repeat of each operation: {"pause": [...], "resume": [...], "fork": [...]}."""
     session = SandboxSession(Settings(provider="local", engine_idle_timeout=30))
     await session.start()
     client, parent = session.client, session.sandbox_id
@@ -48,7 +48,7 @@ async def measure(repeat: int, mib: int) -> None:
     try:
         await fill(session, mib)
         rss = (await client.exec(parent, "sh", ["-c", "ps -o rss= -C python3 | sort -n | tail -1"])).result.stdout
-        print(f"runner resident memory: {int(rss) // 1024} MiB")
+        print(f"runner resident memory: {int(rss) // 1024} MiB", file=sys.stderr)
         pauses, resumes, forks = [], [], []
         for _ in range(repeat):
             started = time.perf_counter()
@@ -64,10 +64,19 @@ async def measure(repeat: int, mib: int) -> None:
             started = time.perf_counter()
             await session.resume()
             resumes.append(time.perf_counter() - started)
-        for name, values in (("pause", pauses), ("resume", resumes), ("fork", forks)):
-            print(summary(name, values))
+        return {"pause": pauses, "resume": resumes, "fork": forks}
     finally:
         await session.shutdown()
+
+
+async def rows(repeat: int, mib: int) -> list[Row]:
+    result = []
+    for name, seconds in (await measure(repeat, mib)).items():
+        row = Row(f"{name} of a runner holding {mib} MiB", "ms", ms(seconds),
+                  target=f"<= {TARGETS[name] * 1000:.0f} ms")
+        row.met = statistics.median(seconds) <= TARGETS[name]
+        result.append(row)
+    return result
 
 
 def main() -> None:
@@ -77,7 +86,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("SANDBOX_KERNEL_STATE_DIR", tempfile.mkdtemp(prefix="sk-bench-"))
     print(f"state dir {os.environ['SANDBOX_KERNEL_STATE_DIR']}, {args.mib} MiB of state, {args.repeat} repeats")
-    asyncio.run(measure(args.repeat, args.mib))
+    for name, seconds in asyncio.run(measure(args.repeat, args.mib)).items():
+        print(summary(name, seconds))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ The kernel uploads this file into the sandbox and uses it in two roles:
   globals. It runs cells one at a time in its main thread (with IPython when
   importable, with a small ast-based executor otherwise) and records every
   output event of a cell, in memory and in ``DIR/cells/<cell_id>.ndjson``.
-* ``runner.py run|attach|request DIR B64`` are short-lived clients, started
-  through the sandbox's exec API (no stdin) for each cell or operation. They
-  talk to the daemon over ``DIR/runner.sock`` and copy its answer, NDJSON, to
-  stdout. B64 is base64 of a JSON object, which avoids any quoting problems.
+* its clients are ``runner_client.py run|attach|request DIR B64`` (a separate,
+  tiny file: it starts once per cell, see there), started through the sandbox's
+  exec API (no stdin) for each cell or operation. They talk to the daemon over
+  ``DIR/runner.sock`` and copy its answer, NDJSON, to stdout. B64 is base64 of
+  a JSON object, which avoids any quoting problems.
 
 Client/daemon protocol: the client sends one JSON line ``{"op": ..., ...}``;
 the daemon answers with NDJSON lines (the events of a cell, or exactly one
@@ -23,10 +24,6 @@ someone else) and/or serves at ``dir``, and becomes an independent daemon; the
 parent answers ``{"ok": true, "child_pid": P}`` once the child is ready. With
 ``SANDBOX_FORKABLE_DIR`` set, every daemon registers itself there as
 ``<pid>.json`` so the sandbox's agent can ask it to fork along (see Daemon._fork).
-
-Clients start once per cell, so their start-up time is part of every cell's
-latency: only the few modules they need are imported at module level, the rest
-of the stdlib (and IPython) is imported by ``serve`` alone.
 
 Must run on Python 3.8+.
 """
@@ -60,92 +57,14 @@ OUTPUT_BURST_SECONDS = 4.0
 # Events that count against the limit (and are dropped past it); the others (results,
 # errors, input requests) are one or few per cell and the kernel needs them.
 LIMITED_EVENTS = ("display_data", "update_display_data", "clear_output")
-CLIENT_COMMANDS = ("run", "attach", "request")
-USAGE = (
-    "usage: runner.py serve DIR\n"
-    "       runner.py run DIR B64JSON\n"
-    "       runner.py attach DIR B64JSON\n"
-    "       runner.py request DIR B64JSON\n"
-)
+USAGE = "usage: runner.py serve DIR   (clients: runner_client.py)\n"
 
 
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "serve":
         return serve(argv[1])
-    if len(argv) == 3 and argv[0] in CLIENT_COMMANDS:
-        message = _decode_argument(argv[2])
-        if message is not None:
-            return run_client(argv[0], argv[1], message)
     sys.stderr.write(USAGE)
     return 2
-
-
-def _decode_argument(argument: str) -> dict | None:
-    """base64(JSON object) -> dict, or None when it is not one."""
-    try:
-        message = json.loads(base64.b64decode(argument, validate=True))
-    except ValueError:  # binascii.Error, UnicodeDecodeError and JSONDecodeError all are
-        return None
-    return message if isinstance(message, dict) else None
-
-
-# --------------------------------------------------------------------------
-# Clients
-# --------------------------------------------------------------------------
-
-
-def run_client(command: str, state_dir: str, message: dict) -> int:
-    """Send one request to the daemon and copy its answer to stdout.
-
-    Failures are reported as a ``{"error": ...}`` line on stdout and exit
-    status 1, so the kernel always has JSON to parse.
-    """
-    if command != "request":
-        message = dict(message, op=command)
-    out = sys.stdout.buffer
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.connect(os.path.join(state_dir, SOCKET_NAME))
-            sock.sendall(json.dumps(message).encode("utf-8") + b"\n")
-            first, last = _relay(sock, out)
-    except OSError as exc:
-        return _client_error(out, "daemon unreachable: %s" % exc)
-    if first.startswith(b'{"error"'):
-        return 1
-    if command == "run" and message.get("wait") is None and b'"type": "done"' not in last:
-        # The daemon went away mid-cell (a polling run ends early on purpose); a partial
-        # line may have been copied.
-        out.write(b"\n")
-        return _client_error(out, "connection to the daemon was lost")
-    return 0
-
-
-def _relay(sock: socket.socket, out) -> tuple[bytes, bytes]:
-    """Copy everything the daemon sends to ``out`` as soon as it arrives.
-
-    Returns the start of the first line and the last complete line, which is
-    all the client needs to know (error? done?) without parsing every event.
-    """
-    first = b""
-    tail = b""
-    while True:
-        data = sock.recv(1 << 16)
-        if not data:
-            break
-        out.write(data)
-        out.flush()
-        if not first:
-            first = data[:16]
-        tail = (tail + data)[-1024:]
-    complete_lines = tail.rsplit(b"\n", 2)
-    last = complete_lines[-2] if len(complete_lines) >= 2 else b""
-    return first, last
-
-
-def _client_error(out, message: str) -> int:
-    out.write(json.dumps({"error": message}).encode("utf-8") + b"\n")
-    out.flush()
-    return 1
 
 
 # --------------------------------------------------------------------------
@@ -160,7 +79,8 @@ def serve(state_dir: str) -> int:
 
 
 def _import_daemon_modules() -> None:
-    """Import what only the daemon needs (see the module docstring for why)."""
+    """Import the modules the daemon needs (kept out of the module level since clients
+    once ran this file too; runner_client.py is the client now)."""
     global ast, builtins, codecs, getpass, importlib, inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
     global tokenize, traceback, types, warnings

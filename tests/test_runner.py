@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 RUNNER = Path(__file__).resolve().parents[1] / "sandbox_kernel" / "runner.py"
+CLIENT = RUNNER.with_name("runner_client.py")  # the kernel's client of the daemon
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 pytestmark = pytest.mark.timeout(60)
@@ -66,11 +67,11 @@ class Daemon:
         return Path(self.dir, "runner.log").read_text(errors="replace")
 
     def command(self, command: str, message: dict, timeout: float = 30) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(RUNNER), command, self.dir, b64(message)],
+        return subprocess.run([sys.executable, str(CLIENT), command, self.dir, b64(message)],
                               capture_output=True, text=True, timeout=timeout)
 
     def popen(self, command: str, message: dict) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(RUNNER), command, self.dir, b64(message)],
+        return subprocess.Popen([sys.executable, str(CLIENT), command, self.dir, b64(message)],
                                 stdout=subprocess.PIPE, text=True)
 
     def run(self, code: str, cell_id: str | None = None, silent: bool = False,
@@ -483,7 +484,7 @@ def test_usage_errors():
 
 
 def test_unreachable_daemon():
-    result = subprocess.run([sys.executable, str(RUNNER), "request", "/nonexistent-dir", b64({"op": "info"})],
+    result = subprocess.run([sys.executable, str(CLIENT), "request", "/nonexistent-dir", b64({"op": "info"})],
                             capture_output=True, text=True)
     assert result.returncode == 1
     assert "error" in json.loads(result.stdout)
