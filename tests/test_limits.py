@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_helpers import running_engine, sandbox_pids
-from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
+from engine_helpers import running_engine, sandbox_pids, wait_status
+from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
 from sandbox_kernel.local import disk
 from sandbox_kernel.local.freezer import select as select_freezer
 from sandbox_kernel.local.limits import PIDS_MAX, select as select_limiter
@@ -173,6 +173,24 @@ async def test_the_agent_socket_cannot_be_replaced_from_inside(client: SandboxCl
                              "mv /run/sandbox-agent /run/elsewhere; ls /run/sandbox-agent")
     assert output.count("Read-only file system") == 2 and "agent.sock" in output
     assert await run(client, sandbox, "echo agent still answers") == (0, "agent still answers\n")
+
+
+async def test_a_fork_has_its_own_limits_and_its_agent_socket_is_sealed_too(
+        client: SandboxClient, sandbox: str) -> None:
+    await client.pause_sandbox(sandbox)
+    await wait_status(client, sandbox, SandboxStatus.PAUSED)
+    child = (await client.fork_sandbox(sandbox)).id
+    try:
+        _, view = await wait_status(client, child, SandboxStatus.RUNNING, timeout=30)
+        assert view.limits is not None and view.limits.endswith("disk 64 MiB (tmpfs)")
+        code, output = await run(client, child, "rm -f /run/sandbox-agent/agent.sock; "
+                                 "touch /run/sandbox-agent/x; ls /run/sandbox-agent")
+        assert output.count("Read-only file system") == 2 and "agent.sock" in output
+        if "memory" in LIMITER.v1:  # the child's processes count against the child's limit
+            procs = (LIMITER.v1["memory"] / child / "cgroup.procs").read_text().split()
+            assert set(sandbox_pids(child)) <= {int(pid) for pid in procs}
+    finally:
+        await client.delete_sandbox(child)
 
 
 async def test_rlimits_hold_when_no_cgroup_is_used(tmp_path: Path) -> None:

@@ -227,13 +227,14 @@ class Agent:
     def _become_fork(self, request: dict, ready: int) -> None:
         """In the forked child: set up the new sandbox, then exec a fresh agent in it."""
         try:
-            from nsfork import become_sandbox
+            from nsfork import become_sandbox, sealed_listener
 
             become_sandbox(str(request.get("hostname") or "sandbox"), int(request["disk_mib"]),
                            os.path.dirname(self.socket_path), self.workdir)
+            listener = sealed_listener(self.socket_path)
             os.environ.update(request.get("env") or {})
             os.execv(sys.executable, [sys.executable, "-I", "-S", os.path.abspath(__file__),
-                                      self.socket_path, self.workdir])
+                                      self.socket_path, self.workdir, str(listener)])
         except BaseException as exc:  # report, never fall back into the parent's event loop
             os.write(ready, ("%s: %s" % (type(exc).__name__, exc)).encode()[:4000])
         finally:

@@ -187,3 +187,19 @@ def become_sandbox(hostname: str, disk_mib: int, agent_dir: str, workdir: str) -
     except OSError as exc:
         if exc.errno != errno.ENOENT:
             raise
+
+
+def sealed_listener(socket_path: str) -> int:
+    """The new agent's listening socket, bound now; then its directory is made read-only
+    (this process still holds the new user namespace's capabilities, the agent it execs
+    will not), so a command run in the fork cannot put another socket in its place.
+    Returns the socket's fd, inheritable across exec."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    os.chmod(socket_path, 0o600)
+    listener.listen(128)
+    directory = os.path.dirname(socket_path)
+    _bind_read_only(directory, directory)
+    fd = listener.detach()
+    os.set_inheritable(fd, True)
+    return fd
