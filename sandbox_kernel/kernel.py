@@ -28,7 +28,7 @@ from . import __version__
 from .api import SandboxAPIError
 from .config import ConfigError, Settings
 from .magics import MagicError, SandboxMagics, split_cell
-from .output import CellOutput
+from .output import CellOutput, OutputGuard
 from .paths import state_dir, write_private
 from .session import SandboxSession, SessionError
 
@@ -352,12 +352,17 @@ class _EventTranslator:
         self.cell_id = cell_id
         self.last_error: dict[str, Any] | None = None
         self.input_tasks: list[asyncio.Task[None]] = []
+        self.guard = OutputGuard(session.settings.output_limit)
 
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event["type"]
         send = self.kernel.send_response
         iopub = self.kernel.iopub_socket
-        if kind == "stream":
+        if not self.guard.admit(event):
+            notice = self.guard.notice()
+            if notice:
+                send(iopub, "stream", {"name": "stderr", "text": notice})
+        elif kind == "stream":
             send(iopub, "stream", {"name": event["name"], "text": event["text"]})
         elif kind in ("display_data", "update_display_data"):
             send(iopub, kind, {"data": event["data"], "metadata": event.get("metadata", {}),

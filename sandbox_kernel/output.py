@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -47,3 +48,42 @@ class ProgressLine:
 
     def update(self, text: str) -> None:
         self.out.display({"text/plain": text}, self.display_id, update=True, metadata=KERNEL_METADATA)
+
+
+class OutputGuard:
+    """The kernel's own cap on what one cell shows, behind the runner's.
+
+    The runner caps each cell's output inside the sandbox (runner.OutputBudget), but it
+    is code in the sandbox, which a cell could get around. So the kernel counts too and
+    drops what goes past the limit, saying so once. It counts no more than the runner
+    does (only the displays' values), with room for the runner's own notice, so an
+    honest runner never meets this cap.
+    """
+
+    SLACK = 64 * 1024
+    LIMITED = ("stream", "display_data", "update_display_data", "clear_output")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.noticed = False
+
+    def admit(self, event: dict[str, Any]) -> bool:
+        """Whether to show this runner event; the others of its kind after a refusal neither."""
+        kind = event.get("type")
+        if kind not in self.LIMITED:
+            return True  # results, errors, input requests: few, and the protocol needs them
+        if kind == "stream":
+            self.used += len(event.get("text", ""))
+        else:
+            self.used += sum(len(value) if isinstance(value, str) else len(json.dumps(value))
+                             for value in (event.get("data") or {}).values())
+        return self.used <= self.limit + self.SLACK
+
+    def notice(self) -> str | None:
+        """The line to show after the first refusal (None after that)."""
+        if self.noticed:
+            return None
+        self.noticed = True
+        return (f"[sandbox-kernel] output limit reached: {round(self.limit / 2**20, 2):g} MiB shown, "
+                "further output of this cell discarded\n")

@@ -105,6 +105,22 @@ def test_each_cell_has_its_own_budget(capped) -> None:
         assert NOTICE not in result.text("stderr")
 
 
+def test_output_forged_past_the_runner_is_capped_by_the_kernel(capped) -> None:
+    """Code in the cell finds the runner's record of the cell and emits events into it
+    directly, around the runner's count: the kernel's own count stops them."""
+    _, kc = capped
+    result = execute(kc, "import gc\n"
+                         "cell = next(o for o in gc.get_objects()\n"
+                         "            if type(o).__name__ == 'Cell' and not o.finished)\n"
+                         "for _ in range(100):\n"
+                         "    cell.emit('stream', name='stdout', text='f' * 65536)")
+    assert result.reply["content"]["status"] == "ok"
+    shown = result.text()
+    assert set(shown) == {"f"} and SMALL_LIMIT <= len(shown) <= SMALL_LIMIT + 128 * 1024
+    assert result.text("stderr") == NOTICE
+    assert_next_cell_works(kc)
+
+
 def test_endless_displays_are_capped_too(capped) -> None:
     _, kc = capped
     result = execute(kc, "from IPython.display import display, HTML\n"
