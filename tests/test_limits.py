@@ -9,6 +9,7 @@ reports the same).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatu
 from sandbox_kernel.local import disk
 from sandbox_kernel.local.freezer import select as select_freezer
 from sandbox_kernel.local.limits import PIDS_MAX, select as select_limiter
-from sandbox_kernel.local.service import EngineEndpoint
+from sandbox_kernel.local.service import EngineEndpoint, ensure_engine
 
 pytestmark = pytest.mark.slow
 
@@ -242,3 +243,23 @@ def test_a_killed_engine_leaves_no_process_and_the_next_one_reaps_the_rest(tmp_p
         cgroup_parents = [*LIMITER.v1.values(), getattr(select_freezer(), "parent", None)]
         for parent in filter(None, cgroup_parents):
             assert not (parent / sandbox_id).exists()
+
+
+async def test_the_engine_keeps_its_state_to_its_user(tmp_path: Path) -> None:
+    """Token, socket, logs, lock, sandbox dirs and disk images: no access for group or others."""
+    endpoint = ensure_engine(tmp_path, idle_timeout=60)
+    try:
+        async with SandboxClient(endpoint.url, endpoint.token) as api:
+            created = await api.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb", disk_mib=64))
+            volume = tmp_path / "sandboxes" / created.id / "volume"
+            made = [p for p in tmp_path.rglob("*") if volume not in (p, *p.parents)]
+            assert {"token", "engine.sock", "engine.json", "engine.log", "engine.lock",
+                    "disk.img", "bwrap.log", "agent.sock"} <= {p.name for p in made}
+            assert [p for p in made if p.lstat().st_mode & 0o077] == []
+            code, output = await run(api, created.id, "umask; touch /workspace/f; stat -c %a /workspace/f")
+            assert (code, output) == (0, "0022\n644\n")  # the sandbox's own files: as usual
+    finally:
+        os.kill(endpoint.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15  # it destroys its sandbox, then removes engine.json
+        while (tmp_path / "engine.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)

@@ -16,12 +16,14 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 
@@ -79,14 +81,13 @@ def ensure_engine(state_dir: Path, idle_timeout: float = 600.0) -> EngineEndpoin
 
     A lock file serialises this, so two kernels starting at once share one engine.
     """
-    with open(state_dir / "engine.lock", "w") as lock:
+    with open_private(state_dir / "engine.lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         endpoint = read_endpoint(state_dir)
         if endpoint:
             return endpoint
         (state_dir / ENGINE_FILE).unlink(missing_ok=True)
-        log_file = open(state_dir / "engine.log", "ab")
-        with log_file:
+        with open_private(state_dir / "engine.log") as log_file:
             process = subprocess.Popen(
                 [sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(state_dir),
                  "--idle-timeout", str(idle_timeout)],
@@ -103,6 +104,17 @@ def ensure_engine(state_dir: Path, idle_timeout: float = 600.0) -> EngineEndpoin
             time.sleep(0.05)
         process.kill()
         raise RuntimeError(f"the local engine did not start within {START_TIMEOUT:.0f} s")
+
+
+def _exit_after_cleanup(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def open_private(path: Path) -> BinaryIO:
+    """Open for appending a file only its owner may read (made so if it already exists)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def _listen_tcp(host: str, port: int) -> socket.socket:
@@ -134,6 +146,9 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     from .engine import Engine
     from .server import create_app
 
+    # Everything the engine creates (sandbox dirs, logs, disk images) is its user's alone.
+    # (The agent sets the usual 022 again for the sandbox's own files.)
+    os.umask(0o077)
     token = load_or_create_token(state_dir)
     engine = Engine(state_dir)
     app = create_app(engine, token)
@@ -163,6 +178,10 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
                 return
 
     watcher = asyncio.get_running_loop().create_task(announce_and_watch_idle())
+    # uvicorn stops on SIGTERM, then raises the signal again under the handler it found:
+    # by default that kills the process before the cleanup below (sandboxes destroyed,
+    # their cgroups and files removed). This handler turns it into SystemExit instead.
+    signal.signal(signal.SIGTERM, _exit_after_cleanup)
     try:
         await server.serve(sockets=sockets)
     finally:

@@ -391,6 +391,7 @@ def main(argv: list) -> int:
         sys.stderr.write("usage: agent.py SOCKET WORKDIR [LISTEN_FD]\n")
         return 2
     apply_rlimits()
+    os.umask(0o022)  # the engine's is 077; files made in the sandbox get the usual modes
     asyncio.run(serve(argv[1], argv[2], int(argv[3]) if len(argv) == 4 else None))
     return 0
 
