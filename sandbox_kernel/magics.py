@@ -151,6 +151,7 @@ def describe_seconds(seconds: float) -> str:
 def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost) -> list[tuple[str, str]]:
     return [("id", view.id), ("state", view.status.value), ("provider", provider),
             ("shape", f"{view.shape or '?'} ({view.vcpu} vCPU, {view.mem_mib} MiB)"),
+            ("rootfs", view.rootfs or "the provider's default"),
             # the local engine says which limits this host enforces; CreateOS is a VM of the shape
             ("limits", view.limits or "the VM's own (CreateOS)"),
             ("age", describe_age(view.created_at)), ("forked from", view.forked_from or "—"),

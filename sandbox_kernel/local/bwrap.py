@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,15 @@ def python_roots() -> list[str]:
     # /usr is mounted anyway; nested roots are covered by their parent.
     roots = {r for r in roots if not r.startswith("/usr/") and r != "/usr"}
     return sorted(r for r in roots if not any(r != o and r.startswith(o + "/") for o in roots))
+
+
+def package_dirs() -> list[str]:
+    """Where the engine's Python (venv and base interpreter) finds installed packages."""
+    found = set()
+    for base in {sys.prefix, sys.base_prefix}:
+        paths = sysconfig.get_paths(vars={"base": base, "platbase": base})
+        found.update(p for p in (paths["purelib"], paths["platlib"]) if os.path.isdir(p))
+    return sorted(found)
 
 
 @dataclass(frozen=True)
@@ -157,11 +167,12 @@ def proxy_env() -> dict[str, str]:
 
 
 def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path, seccomp_fd: int,
-                    rlimits: str = "") -> list[str]:
+                    rlimits: str = "", packages: bool = True) -> list[str]:
     """bwrap's options for one sandbox (the command is in launch_command).
 
     seccomp_fd: a readable fd holding the BPF filter (seccomp.py); rlimits: what the agent
-    must set on itself when no cgroup holds the limits (limits.Limiter.rlimits)."""
+    must set on itself when no cgroup holds the limits (limits.Limiter.rlimits);
+    packages: False hides the Python environment's installed packages (stdlib only)."""
     hostname = "sandbox"
     python_bin = os.path.dirname(sys.executable)
     cmd = ["--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
@@ -190,6 +201,9 @@ def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path, seccomp
             "--dir", FORKABLE_DIR]
     for root in python_roots():
         cmd += ["--ro-bind", root, root]
+    if not packages:
+        for directory in package_dirs():
+            cmd += ["--tmpfs", directory, "--remount-ro", directory]
     cmd += ["--ro-bind", str(guest_dir), GUEST_DIR,
             "--chdir", WORKSPACE, "--clearenv", "--seccomp", str(seccomp_fd)]
     env = sandbox_env(sandbox_id, python_bin)

@@ -52,10 +52,15 @@ SHAPES = [Shape(id=f"s-{cpu}vcpu-{label}", vcpu=cpu, mem_mib=mib, default_disk_m
                                   (1, 2048, "2gb"), (2, 2048, "2gb"), (2, 4096, "4gb"),
                                   (4, 4096, "4gb"))]
 LOCAL_ROOTFS = "host-python"
+# Python with its standard library only, as on a bare CreateOS rootfs (devbox:1 has
+# python3, maybe no IPython): the runner's plain mode, and a smaller surface.
+STDLIB_ROOTFS = "python-stdlib"
 ROOTFS = RootfsCatalog(
-    rootfs=[LOCAL_ROOTFS], default=LOCAL_ROOTFS,
+    rootfs=[LOCAL_ROOTFS, STDLIB_ROOTFS], default=LOCAL_ROOTFS,
     entries=[RootfsEntry(name=LOCAL_ROOTFS,
-                         description="the host's /usr and the engine's Python environment, read-only")])
+                         description="the host's /usr and the engine's Python environment, read-only"),
+             RootfsEntry(name=STDLIB_ROOTFS,
+                         description="the same without any installed package: Python's standard library only")])
 ADJECTIVES = ("brave", "calm", "eager", "fond", "keen", "lucid", "merry", "quiet", "swift", "wise")
 ANIMALS = ("otter", "heron", "lynx", "marten", "newt", "puffin", "stoat", "tapir", "vole", "wren")
 KEEP_DESTROYED = 200
@@ -164,6 +169,7 @@ class LocalSandbox:
     egress: list[str]
     auto_pause_after_seconds: int | None
     disk_mib: int  # the shape's default unless the create request asked for another size
+    rootfs: str = LOCAL_ROOTFS
     status: SandboxStatus = SandboxStatus.CREATING
     created_at: float = field(default_factory=time.time)
     running_at: float | None = None
@@ -197,7 +203,7 @@ class LocalSandbox:
     def view(self) -> SandboxView:
         return SandboxView(
             id=self.id, status=self.status, name=self.name, shape=self.shape.id,
-            rootfs=LOCAL_ROOTFS, vcpu=self.shape.vcpu, mem_mib=self.shape.mem_mib,
+            rootfs=self.rootfs, vcpu=self.shape.vcpu, mem_mib=self.shape.mem_mib,
             disk_mib=self.disk_mib, created_at=rfc3339(self.created_at),
             running_at=rfc3339(self.running_at) if self.running_at else None,
             destroyed_at=rfc3339(self.destroyed_at) if self.destroyed_at else None,
@@ -267,7 +273,7 @@ class Engine:
         shape = next((s for s in SHAPES if s.id == request.shape), None)
         if shape is None:
             raise InvalidRequest(f"unknown shape {request.shape!r}", code="unknown_shape")
-        if request.rootfs and request.rootfs != LOCAL_ROOTFS:
+        if request.rootfs and request.rootfs not in ROOTFS.rootfs:
             raise InvalidRequest(f"unknown rootfs {request.rootfs!r}", code="unknown_rootfs")
         name = request.name or self._free_name()
         if any(sb.name == name and sb.status not in TERMINAL for sb in self.sandboxes.values()):
@@ -277,7 +283,7 @@ class Engine:
             id=sandbox_id, name=name, shape=shape, dirs=SandboxDirs(self.sandbox_root / sandbox_id),
             envs=dict(request.envs or {}), egress=checked_egress(request.egress),
             auto_pause_after_seconds=request.auto_pause_after_seconds,
-            disk_mib=request.disk_mib or shape.default_disk_mib)
+            disk_mib=request.disk_mib or shape.default_disk_mib, rootfs=request.rootfs or LOCAL_ROOTFS)
         self.sandboxes[sandbox_id] = sandbox
         self._start_auto_pauser()
         try:
@@ -304,7 +310,7 @@ class Engine:
         seccomp_fd = seccomp.program_fd()
         arguments = "\0".join(bwrap_arguments(
             sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd,
-            self.limiter.rlimits(sandbox.limits))) + "\0"
+            self.limiter.rlimits(sandbox.limits), packages=sandbox.rootfs == LOCAL_ROOTFS)) + "\0"
         args_read, args_write = os.pipe()
         log_file = open(sandbox.dirs.root / "bwrap.log", "ab")
         try:
@@ -515,7 +521,7 @@ class Engine:
             envs=dict(source.envs if request.envs is None else request.envs),
             egress=list(source.egress) if request.egress is None else checked_egress(request.egress),
             auto_pause_after_seconds=source.auto_pause_after_seconds, disk_mib=source.disk_mib,
-            family=source.family, forked_from=source.id)
+            rootfs=source.rootfs, family=source.family, forked_from=source.id)
         assert source.family is not None
         source.family.members.add(child.id)
         self.sandboxes[child.id] = child
