@@ -9,6 +9,7 @@ reports the same).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -39,6 +40,15 @@ async def run(client: SandboxClient, sandbox_id: str, script: str) -> tuple[int,
     """Run a shell script in the sandbox: (exit code, stdout + stderr)."""
     result = (await client.exec(sandbox_id, "sh", ["-c", script])).result
     return result.exit_code, result.stdout + result.stderr
+
+
+def loop_devices_backed_by(image: Path) -> list[str]:
+    found = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        with contextlib.suppress(OSError):
+            if backing.read_text().strip().removesuffix(" (deleted)") == str(image):
+                found.append(backing.parent.parent.name)
+    return found
 
 
 def python(code: str) -> str:
@@ -237,9 +247,12 @@ def test_a_killed_engine_leaves_no_process_and_the_next_one_reaps_the_rest(tmp_p
     assert sandbox_pids(sandbox_id) == []  # bwrap --die-with-parent took the sandbox down
     leftovers = tmp_path / "sandboxes" / sandbox_id
     assert leftovers.is_dir()
+    if disk.available():  # its volume was mounted only in its own namespace: gone with it
+        while loop_devices_backed_by(leftovers / "disk.img") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert loop_devices_backed_by(leftovers / "disk.img") == []
     with running_engine(tmp_path):
         assert not leftovers.exists()
-        assert not disk.is_mounted(leftovers / "volume")
         cgroup_parents = [*LIMITER.v1.values(), getattr(select_freezer(), "parent", None)]
         for parent in filter(None, cgroup_parents):
             assert not (parent / sandbox_id).exists()

@@ -2,8 +2,9 @@
 
 When the engine runs as root with loop devices and mkfs.ext4, each sandbox gets a sparse
 ext4 image of its disk size in its state directory, loop-mounted (nosuid, nodev) where
-its /workspace and /tmp live. Writing past the size fails with ENOSPC inside the
-sandbox; the host's disk holds only what was really written. A tmpfs would cap the size
+its /workspace and /tmp live, in a mount namespace of its own (see `mounted`). Writing
+past the size fails with ENOSPC inside the sandbox; the host's disk holds only what was
+really written. A tmpfs would cap the size
 too, but its pages count as memory: with a disk larger than the memory limit (every
 shape) filling it would OOM-kill the sandbox instead of ENOSPC. Without root the size is
 not capped, and `sandbox-kernel doctor` says so.
@@ -11,16 +12,13 @@ not capped, and `sandbox-kernel doctor` says so.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
-log = logging.getLogger("sandbox_kernel.disk")
-
-TOOLS = ("mkfs.ext4", "mount", "umount")
+TOOLS = ("mkfs.ext4", "mount", "unshare")
+MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,noinit_itable"  # loop: detached when unmounted
 TIMEOUT = 60
 
 
@@ -43,30 +41,24 @@ def _run(*command: str) -> None:
         raise OSError(f"{command[0]} failed: {result.stderr.strip()[-300:]}")
 
 
-def create(image: Path, mount_point: Path, size_mib: int) -> None:
-    """A fresh ext4 volume of size_mib mounted at mount_point (blocking: call in a thread)."""
+def create(image: Path, contents: Path, size_mib: int) -> None:
+    """A fresh ext4 image of size_mib holding a copy of the directory `contents` (the
+    sandbox's empty workspace and tmp, with their modes). Blocking: call in a thread."""
     with open(image, "wb") as out:
         out.truncate(size_mib * 1024 * 1024)  # sparse: costs the host nothing yet
     # Lazy init: no zeroing of inode tables or journal now (it would write the whole size);
     # no reserved blocks: the sandbox may use all of it.
-    _run("mkfs.ext4", "-q", "-F", "-m", "0", "-E",
-         f"lazy_itable_init=1,lazy_journal_init=1,root_owner={os.getuid()}:{os.getgid()}", str(image))
-    mount_point.mkdir(mode=0o700, exist_ok=True)
-    _run("mount", "-o", "loop,nosuid,nodev,noatime,noinit_itable", str(image), str(mount_point))
+    _run("mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1",
+         "-d", str(contents), str(image))
 
 
-def is_mounted(mount_point: Path) -> bool:
-    target = str(mount_point)
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as info:
-        return any(line.split()[4] == target for line in info)
-    return False
-
-
-def remove(mount_point: Path) -> None:
-    """Unmount (lazily, if something still holds it; the loop device then goes with it)."""
-    if is_mounted(mount_point):
-        try:
-            _run("umount", str(mount_point))
-        except OSError:
-            with contextlib.suppress(OSError):
-                _run("umount", "-l", str(mount_point))
+def mounted(command: list[str], image: Path, mount_point: Path) -> list[str]:
+    """`command` started in a private mount namespace in which the image is mounted at
+    mount_point. The mount exists only there: it goes, and its loop device with it, when
+    the sandbox's last process does, however the engine ends (no host mount to leak)."""
+    unshare, mount, shell = _tool("unshare"), _tool("mount"), _tool("sh")
+    if unshare is None or mount is None or shell is None:
+        raise OSError("unshare, mount or sh not found")
+    script = '"$1" -o "$2" "$3" "$4" && shift 4 && exec "$@"'  # exec: bwrap keeps this pid
+    return [unshare, "--mount", "--propagation", "private", shell, "-c", script, "mount-volume",
+            mount, MOUNT_OPTIONS, str(image), str(mount_point), *command]

@@ -302,10 +302,10 @@ class Engine:
     async def _start(self, sandbox: LocalSandbox) -> None:
         started = time.monotonic()
         sandbox.dirs.root.mkdir(mode=0o700, parents=True)
-        if self.disk_capped:
-            await asyncio.to_thread(disk.create, sandbox.dirs.root / "disk.img",
-                                    sandbox.dirs.volume, sandbox.disk_mib)
         sandbox.dirs.create(hostname="sandbox")
+        image = sandbox.dirs.root / "disk.img"
+        if self.disk_capped:
+            await asyncio.to_thread(disk.create, image, sandbox.dirs.volume, sandbox.disk_mib)
         listener = self._agent_listener(sandbox.dirs)
         seccomp_fd = seccomp.program_fd()
         arguments = "\0".join(bwrap_arguments(
@@ -315,8 +315,11 @@ class Engine:
         log_file = open(sandbox.dirs.root / "bwrap.log", "ab")
         try:
             with log_file:
+                command = launch_command(self.bwrap, args_read, listener.fileno())
+                if self.disk_capped:
+                    command = disk.mounted(command, image, sandbox.dirs.volume)
                 process = await asyncio.create_subprocess_exec(
-                    *launch_command(self.bwrap, args_read, listener.fileno()),
+                    *command,
                     pass_fds=(args_read, seccomp_fd, listener.fileno()),
                     stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
         finally:
@@ -443,17 +446,13 @@ class Engine:
         if sandbox.limited:
             await asyncio.to_thread(sandbox.limited.release)
             sandbox.limited = None
-        await asyncio.to_thread(self._remove_dirs, sandbox.dirs)
-
-    @staticmethod
-    def _remove_dirs(dirs: SandboxDirs) -> None:
-        disk.remove(dirs.volume)
-        shutil.rmtree(dirs.root, True)
+        await asyncio.to_thread(shutil.rmtree, sandbox.dirs.root, True)
 
     def _reap_leftovers(self) -> None:
         """Clear what an engine that died left in this state dir: its sandboxes' processes
-        died with it (bwrap's --die-with-parent), but not their cgroups, volumes and files.
-        A frozen v1 cgroup would keep its processes alive, so it is thawed and emptied."""
+        died with it (bwrap's --die-with-parent), but not their cgroups and files.
+        A frozen v1 cgroup would keep its processes alive, so it is thawed and emptied.
+        (Disk volumes are mounted only in their sandbox's mount namespace: gone with it.)"""
         stale = {entry.name for entry in os.scandir(self.sandbox_root) if entry.is_dir()}
         if not stale:
             return
@@ -465,7 +464,7 @@ class Engine:
                 self.freezer.release(leftover)
         self.limiter.reap(stale)
         for sandbox_id in stale:
-            self._remove_dirs(SandboxDirs(self.sandbox_root / sandbox_id))
+            shutil.rmtree(self.sandbox_root / sandbox_id, True)
 
     def _forget_old_destroyed(self) -> None:
         destroyed = [sb for sb in self.sandboxes.values() if sb.status == SandboxStatus.DESTROYED]
