@@ -323,12 +323,14 @@ class OutputRouter:
     change of stream and every other event flush it first, so the order the
     user's code produced is preserved. Longer writes are cut into events of at
     most MAX_PENDING characters, so no NDJSON line grows without bound. Each
-    cell's OutputBudget caps and paces its output. Output while no cell runs
-    goes to the daemon's log.
+    cell's OutputBudget caps and paces its output, event by event. Output while
+    no cell runs goes to the daemon's log.
     """
 
     FLUSH_INTERVAL = 0.01
-    MAX_PENDING = 64 * 1024
+    # Also the size of the pieces a long write is cut into: big enough that a 20 MB print
+    # is a few dozen messages (each costs the kernel and the browser), small enough to bound a line.
+    MAX_PENDING = 1024 * 1024
 
     def __init__(self, capture: FdCapture):
         self._capture = capture
@@ -386,9 +388,6 @@ class OutputRouter:
             if self._capture.has_output():
                 self._absorb_fd_output()
             self._append(name, text)
-            delay = self._pace()
-        if delay:
-            time.sleep(delay)  # outside the lock; an interrupt lands here like in any sleep
 
     def emit(self, type_: str, **fields: object) -> None:
         """A non-stream event of the current cell (dropped outside cells)."""
@@ -398,25 +397,15 @@ class OutputRouter:
             if self._cell is None:
                 self.log("dropped a %s event produced outside of any cell\n" % type_)
                 return
-            if type_ in LIMITED_EVENTS:
-                size = len(_encode_line(fields))
-                if self._cell.budget.take(size) < size:
-                    self._notice_limit()
-                    return
+            if type_ not in LIMITED_EVENTS:
+                self._cell.emit(type_, **fields)
+                return
+            size = len(_encode_line(fields))
+            if self._cell.budget.take(size) < size:
+                self._notice_limit()
+                return
             self._cell.emit(type_, **fields)
-            delay = self._pace()
-        if delay:
-            time.sleep(delay)
-
-    def _pace(self) -> float:
-        return self._cell.budget.delay() if self._cell is not None else 0.0
-
-    def _notice_limit(self) -> None:
-        """Tell the cell, once, that its output is being dropped from now on."""
-        if not self._limit_noticed and self._cell is not None:
-            self._limit_noticed = True
-            self._flush()
-            self._cell.emit("stream", name="stderr", text=self._cell.budget.notice())
+            self._pace()
 
     def log(self, text: str) -> None:
         _write_all(self._capture.log_fds["stderr"], text.encode("utf-8", "replace"))
@@ -431,17 +420,10 @@ class OutputRouter:
         if self._cell is None:
             _write_all(self._capture.log_fds[name], text.encode("utf-8", "replace"))
             return
-        allowed = self._cell.budget.take(len(text))
-        shown = text if allowed == len(text) else text[:allowed]
-        if len(shown) > self.MAX_PENDING:
-            for start in range(0, len(shown), self.MAX_PENDING):
-                self._add_pending(name, shown[start:start + self.MAX_PENDING])
-        elif shown:
-            self._add_pending(name, shown)
-        if allowed < len(text):
-            self._notice_limit()
-
-    def _add_pending(self, name: str, text: str) -> None:
+        if len(text) > self.MAX_PENDING:  # a long write goes in pieces: no event is huge
+            for start in range(0, len(text), self.MAX_PENDING):
+                self._append(name, text[start:start + self.MAX_PENDING])
+            return
         if self._pending and name != self._pending_name:
             self._flush()
         if not self._pending:
@@ -453,10 +435,35 @@ class OutputRouter:
             self._flush()
 
     def _flush(self) -> None:
-        if self._pending and self._cell is not None:
-            self._cell.emit("stream", name=self._pending_name, text="".join(self._pending))
+        """The pending text as one stream event, as far as the cell's budget allows.
+        (The budget is charged here, per event, not per write: print stays cheap.)"""
+        if not self._pending:
+            return
+        text = "".join(self._pending)
         self._pending = []
         self._pending_size = 0
+        if self._cell is None:
+            return
+        allowed = self._cell.budget.take(len(text))
+        if allowed:
+            self._cell.emit("stream", name=self._pending_name, text=text if allowed == len(text) else text[:allowed])
+        if allowed < len(text):
+            self._notice_limit()
+        self._pace()
+
+    def _notice_limit(self) -> None:
+        """Tell the cell, once, that its output is being dropped from now on."""
+        if not self._limit_noticed:
+            self._limit_noticed = True
+            self._cell.emit("stream", name="stderr", text=self._cell.budget.notice())
+
+    def _pace(self) -> None:
+        """Keep the cell to its output rate by waiting here, holding the lock: every
+        source of output (print, display, the fd reader and so subprocesses) waits too.
+        An interrupt lands in this sleep, or in the wait for the lock, as anywhere."""
+        delay = self._cell.budget.delay()
+        if delay:
+            time.sleep(delay)
 
     def _flush_forever(self) -> None:
         while True:
@@ -472,9 +479,6 @@ class OutputRouter:
             self._capture.wait_readable()
             with self._lock:
                 self._absorb_fd_output()
-                delay = self._pace()
-            if delay:
-                time.sleep(delay)  # the pipes fill up meanwhile, which blocks their writers
 
 
 def _write_all(fd: int, data: bytes) -> None:
