@@ -12,10 +12,10 @@ import time
 
 from common import PLAIN, SANDBOX, Row, kernel, ms, run_ok
 from sandbox_kernel import pool
-from sandbox_kernel.config import Settings
+from sandbox_kernel.config import ENV_VARS, Settings
 
-COLD = {pool.POOL_ENV: "0"}
-WARM = {pool.POOL_ENV: "1"}
+COLD = {ENV_VARS["warm_pool"]: "0"}
+WARM = {ENV_VARS["warm_pool"]: "1"}
 REFILL_TIMEOUT = 120.0
 
 

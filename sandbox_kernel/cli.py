@@ -30,7 +30,7 @@ def cmd_install(args: argparse.Namespace) -> int:
     from .kernelspec import install
 
     options = {name: getattr(args, name) for name in
-               ("provider", "shape", "rootfs", "egress", "auto_pause", "on_shutdown")}
+               ("provider", "shape", "rootfs", "egress", "auto_pause", "on_shutdown", "warm_pool")}
     # Refuse bad values now, naming the flag (the key is the kernel's business, later).
     Settings.from_env({"CREATEOS_SANDBOX_API_KEY": "checked-later"}, kernel_args=options,
                       argument_name=lambda name: "--" + name.replace("_", "-"))
@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     install.add_argument("--egress", help="egress rules for new sandboxes, comma-separated")
     install.add_argument("--auto-pause", help="seconds idle before a sandbox pauses (60-86400, or off)")
     install.add_argument("--on-shutdown", choices=("destroy", "pause", "keep"))
+    install.add_argument("--warm-pool", help="keep this many ready sandboxes so kernels start faster (0-32)")
     install.set_defaults(run=cmd_install)
 
     run = sub.add_parser("run", help="execute a notebook headless in a sandbox and print its outputs")

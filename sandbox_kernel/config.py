@@ -35,6 +35,7 @@ DEFAULT_OUTPUT_LIMIT_MIB = 64
 DEFAULT_OUTPUT_RATE_MIB = 8
 MIB = 1024 * 1024
 SHUTDOWN_POLICIES = ("destroy", "pause", "keep")
+MAX_WARM_POOL = 32  # more ready sandboxes than this is a typo, not a warm pool
 LOCAL_ENGINE_URL_FOR_UDS = "http://localhost"
 
 
@@ -57,6 +58,7 @@ class Settings:
     auto_pause: int | None = DEFAULT_AUTO_PAUSE  # seconds; None: never
     output_limit: int = DEFAULT_OUTPUT_LIMIT_MIB * MIB  # bytes of output a cell may show
     output_rate: int = DEFAULT_OUTPUT_RATE_MIB * MIB  # bytes per second after a burst; 0: no limit
+    warm_pool: int = 0  # ready sandboxes kept for starting kernels (pool.py); 0: no pool
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None,
@@ -84,7 +86,8 @@ class Settings:
                    attach_to=options.text("sandbox_id"), on_shutdown=on_shutdown,
                    egress=options.egress(), auto_pause=options.auto_pause(),
                    output_limit=options.mebibytes("output_limit", DEFAULT_OUTPUT_LIMIT_MIB, 1),
-                   output_rate=options.mebibytes("output_rate", DEFAULT_OUTPUT_RATE_MIB, 0))
+                   output_rate=options.mebibytes("output_rate", DEFAULT_OUTPUT_RATE_MIB, 0),
+                   warm_pool=options.count("warm_pool", MAX_WARM_POOL))
 
     @property
     def description(self) -> str:
@@ -108,6 +111,7 @@ ENV_VARS = {
     "engine_transport": "SANDBOX_KERNEL_ENGINE_TRANSPORT",
     "output_limit": "SANDBOX_KERNEL_OUTPUT_LIMIT",
     "output_rate": "SANDBOX_KERNEL_OUTPUT_RATE",
+    "warm_pool": "SANDBOX_KERNEL_WARM_POOL",
 }
 
 
@@ -186,6 +190,15 @@ class _Options:
         if not 60 <= seconds <= 86400:
             raise ConfigError(f"{self.source('auto_pause')} must be 60-86400 seconds or off, not {text!r}")
         return seconds
+
+    def count(self, name: str, most: int) -> int:
+        """A whole number from 0 to `most`; 0 when not set."""
+        text = self.text(name)
+        if text is None:
+            return 0
+        if not (text.isdigit() and int(text) <= most):
+            raise ConfigError(f"{self.source(name)} must be a whole number from 0 to {most}, not {text!r}")
+        return int(text)
 
     def mebibytes(self, name: str, default: float, least: int) -> int:
         """A size in MiB (fractions allowed), as bytes; at least `least` bytes."""

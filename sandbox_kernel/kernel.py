@@ -38,7 +38,7 @@ HANDOFF_MAX_AGE = 120.0  # a restart hand-off older than this is stale
 KERNEL_INFO_WAIT = 10.0
 # Options a kernel argument can set (--SandboxKernel.<name>=...); they win over the
 # environment and the config file.
-KERNEL_ARGUMENTS = ("sandbox_id", "on_shutdown", "egress", "shape", "rootfs", "auto_pause")
+KERNEL_ARGUMENTS = ("sandbox_id", "on_shutdown", "egress", "shape", "rootfs", "auto_pause", "warm_pool")
 
 T = TypeVar("T")
 
@@ -66,6 +66,8 @@ class SandboxKernel(Kernel):
     rootfs = Unicode("", help="root filesystem of the sandbox the kernel creates").tag(config=True)
     auto_pause = Unicode("", help="seconds idle before the sandbox pauses itself (60-86400, or off)"
                          ).tag(config=True)
+    warm_pool = Unicode("", help="keep this many ready sandboxes for starting kernels (0-32)"
+                        ).tag(config=True)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -1,9 +1,10 @@
 """A warm pool of ready sandboxes, so that a starting kernel does not wait for one.
 
-With SANDBOX_KERNEL_WARM_POOL=N (N > 0), a kernel first tries to claim a pool member (a
+With the warm_pool option at N > 0 (SANDBOX_KERNEL_WARM_POOL=N, the config file, or the
+kernel argument --SandboxKernel.warm_pool=N), a kernel first tries to claim a pool member (a
 sandbox created earlier, its runner already started) and then tops the pool up to N in
 the background. Pools are kept per configuration key (provider, base URL, key identity,
-shape, egress rules): a sandbox made for one configuration is never handed to another.
+shape, rootfs, egress rules): a sandbox made for one configuration is never handed to another.
 
 Bookkeeping lives in the state dir, so every kernel of this user on this machine shares
 one pool per key:
@@ -29,18 +30,16 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import ownership
-from .config import ConfigError, Settings
+from .config import Settings
 from .paths import state_dir, write_private
 
 log = logging.getLogger("sandbox_kernel.pool")
 
-POOL_ENV = "SANDBOX_KERNEL_WARM_POOL"
-MAX_POOL = 32  # more pre-created sandboxes than this is a typo, not a warm pool
 # A waiting member pauses itself after this long (CreateOS allows 60 s at least).
 MEMBER_AUTO_PAUSE = 120
 # A member nobody claimed for this long is stale: `gc` destroys it.
@@ -52,25 +51,12 @@ REFILL_DELAY = 2.0
 REFILL_SHUTDOWN_WAIT = 3.0
 
 
-def size_from_env(env: Mapping[str, str] | None = None) -> int:
-    """SANDBOX_KERNEL_WARM_POOL: how many ready sandboxes to keep (0 or unset: no pool)."""
-    text = (os.environ if env is None else env).get(POOL_ENV, "").strip()
-    if not text:
-        return 0
-    try:
-        size = int(text)
-    except ValueError:
-        size = -1
-    if not 0 <= size <= MAX_POOL:
-        raise ConfigError(f"{POOL_ENV} must be a number of sandboxes from 0 to {MAX_POOL}, not {text!r}")
-    return size
-
-
 def pool_key(settings: Settings) -> str:
     """What makes two sandboxes interchangeable, hashed (the API key only as a hash)."""
     identity = [settings.provider, settings.base_url if settings.provider == "createos" else "local",
                 hashlib.sha256((settings.api_key or "").encode()).hexdigest(),
-                settings.shape, sorted(settings.egress) if settings.egress is not None else None]
+                settings.shape, settings.rootfs,
+                sorted(settings.egress) if settings.egress is not None else None]
     return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
 
 

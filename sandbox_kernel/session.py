@@ -39,7 +39,7 @@ from .api import (
     ServerError,
 )
 from . import ownership, pool
-from .config import ConfigError, Settings, open_client
+from .config import Settings, open_client
 from .cost import Cost, Meter
 
 log = logging.getLogger("sandbox_kernel.session")
@@ -160,13 +160,9 @@ class SandboxSession:
 
         Either way the pool is topped up afterwards, in the background.
         """
-        try:
-            size = pool.size_from_env()
-        except ConfigError as exc:
-            raise SessionError(str(exc)) from None
-        if not size:
+        if not self.settings.warm_pool:
             return False
-        warm = pool.WarmPool.for_settings(self.settings, size)
+        warm = pool.WarmPool.for_settings(self.settings, self.settings.warm_pool)
         while (sandbox_id := warm.claim()) is not None:
             try:
                 await self.attach(sandbox_id, fresh_runner=False)
@@ -189,7 +185,7 @@ class SandboxSession:
 
     async def _make_pool_member(self) -> str:
         """A new sandbox with its runner started, claimed by this kernel until it is pooled."""
-        member = SandboxSession(replace(self.settings, auto_pause=pool.MEMBER_AUTO_PAUSE))
+        member = SandboxSession(replace(self.settings, auto_pause=pool.MEMBER_AUTO_PAUSE, warm_pool=0))
         member.client = self._client()
         self.making_pool_member = True
         try:

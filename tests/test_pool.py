@@ -18,7 +18,7 @@ from engine_helpers import sandbox_status
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel import pool
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
-from sandbox_kernel.config import Settings
+from sandbox_kernel.config import ENV_VARS, ConfigError, Settings
 from sandbox_kernel.local.service import EngineEndpoint
 from test_cli import cli
 
@@ -55,7 +55,7 @@ def start_and_report_sandbox(kernelspec: str) -> tuple[str, object]:
 @pytest.mark.slow
 def test_kernels_start_on_pooled_sandboxes_never_the_same_one_and_the_pool_refills(
         kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(pool.POOL_ENV, str(POOL_SIZE))
+    monkeypatch.setenv(ENV_VARS["warm_pool"], str(POOL_SIZE))
     warm = pool.WarmPool.for_settings(Settings.from_env(), POOL_SIZE)
     pooled: set[str] = set()
     contexts = []
@@ -109,3 +109,18 @@ def test_gc_keeps_fresh_pool_members_and_destroys_stale_ones(engine: EngineEndpo
     (warm.root / "members" / f"{fresh}.json").write_text(json.dumps({"created": time.time() - 60}))
     cli("gc")
     assert warm.members() == []
+
+
+def test_the_option_and_the_configuration_key() -> None:
+    assert Settings.from_env(env={}).warm_pool == 0
+    assert Settings.from_env(env={"SANDBOX_KERNEL_WARM_POOL": "2"}, kernel_args={"warm_pool": "3"}).warm_pool == 3
+    for bad in ("-1", "33", "two"):
+        with pytest.raises(ConfigError, match="SANDBOX_KERNEL_WARM_POOL must be a whole number from 0 to 32"):
+            Settings.from_env(env={"SANDBOX_KERNEL_WARM_POOL": bad})
+    base = Settings(provider="local")
+    assert pool.pool_key(base) == pool.pool_key(Settings(provider="local", warm_pool=4))
+    variants = [Settings(provider="local", shape="s-2vcpu-4gb"), Settings(provider="local", rootfs="other"),
+                Settings(provider="local", egress=["pypi.org"]), Settings(provider="local", egress=[]),
+                Settings(provider="createos", api_key="k1"), Settings(provider="createos", api_key="k2")]
+    keys = {pool.pool_key(settings) for settings in [base, *variants]}
+    assert len(keys) == len(variants) + 1
