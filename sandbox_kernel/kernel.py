@@ -27,6 +27,7 @@ from traitlets import Unicode
 from . import __version__
 from .api import SandboxAPIError
 from .config import ConfigError, Settings
+from .history import open_history
 from .magics import MagicError, SandboxMagics, split_cell
 from .output import CellOutput, OutputGuard
 from .paths import state_dir, write_private
@@ -83,6 +84,7 @@ class SandboxKernel(Kernel):
         self.boot: asyncio.Task[None] | None = None
         self.status_shown = False
         self.main_loop: asyncio.AbstractEventLoop | None = None
+        self.history = open_history(state_dir() / "history.sqlite")
         # A wait an interrupt may cut short (the sandbox start, a magic's pause or fork):
         # the service carries on; only the cell stops waiting.
         self.interruptible: asyncio.Future[Any] | None = None
@@ -146,6 +148,8 @@ class SandboxKernel(Kernel):
                          **_: Any) -> dict[str, Any]:
         if not code.strip():
             return self._ok()
+        if store_history and not silent and self.history:
+            self.history.record(self.execution_count, code)
         self._allow_stdin = allow_stdin  # raw_input()/getpass() check it, as under ipykernel
         out = CellOutput(self._send_iopub)
         try:
@@ -283,6 +287,11 @@ class SandboxKernel(Kernel):
         if status == "incomplete":
             reply["indent"] = " " * (indent or 0)
         return reply
+
+    async def do_history(self, hist_access_type: str, output: bool, raw: bool,
+                         **request: Any) -> dict[str, Any]:
+        entries = self.history.reply(hist_access_type, output, **request) if self.history else []
+        return {"status": "ok", "history": entries}
 
     # -- kernel info -----------------------------------------------------------------------
 
