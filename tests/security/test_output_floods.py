@@ -97,6 +97,26 @@ def test_endless_print_is_capped_with_one_notice_and_interruptible(capped) -> No
     assert_next_cell_works(kc)
 
 
+def test_a_paced_flood_is_slowed_down_and_interruptible(kernelspec: str) -> None:
+    """At 0.5 MiB/s (a burst of 2 MiB), an endless print is held back rather than cut,
+    and an interrupt still stops it."""
+    rate = 512 * 1024
+    env = {**os.environ, "SANDBOX_KERNEL_OUTPUT_RATE": "0.5"}
+    with running_kernel(kernelspec, env=env) as (km, kc):
+        msg_id = kc.execute("while True:\n    print('p' * 1000)")
+        started = time.monotonic()
+        shown = outputs_until(kc, msg_id, lambda ms: len(stream_text(ms)) > 3 * rate)
+        km.interrupt_kernel()
+        shown += outputs_until(kc, msg_id, lambda ms: False)
+        elapsed = time.monotonic() - started
+        assert shell_reply(kc, msg_id)["content"]["ename"] == "KeyboardInterrupt"
+        # However slow this host: no more than the burst (4 s worth), one event (1 MiB, the
+        # runner waits after sending it) and the rate for the time the cell ran.
+        assert len(stream_text(shown)) <= 4 * rate + 2 * rate + rate * elapsed
+        assert NOTICE not in stream_text(shown), "paced, not cut"
+        assert_next_cell_works(kc)
+
+
 def test_each_cell_has_its_own_budget(capped) -> None:
     _, kc = capped
     for _ in range(2):
