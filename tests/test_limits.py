@@ -115,6 +115,26 @@ async def test_a_fork_bomb_stops_at_the_pids_limit(client: SandboxClient, sandbo
     assert await run(client, sandbox, "echo after") == (0, "after\n")
 
 
+@NEEDS_CGROUP_V1
+async def test_at_the_memory_limit_the_oom_killer_spares_the_agent(client: SandboxClient, sandbox: str) -> None:
+    [agent] = sandbox_pids(sandbox, b"agent.py")
+    assert Path(f"/proc/{agent}/oom_score_adj").read_text().strip() == "0"
+    assert await run(client, sandbox, "cat /proc/self/oom_score_adj") == (0, "500\n")  # goes first
+    swarm = python(
+        "import os, time\n"
+        "for _ in range(200):\n"
+        "    if os.fork() == 0:\n"
+        "        hoard = b'x' * (4 << 20)\n"  # 200 x 4 MiB: far past 256 MiB
+        "        time.sleep(3)\n"
+        "        os._exit(0)\n"
+        "for _ in range(200):\n"
+        "    os.wait()\n")
+    await run(client, sandbox, swarm)
+    assert (await client.get_sandbox(sandbox)).oom_kills > 0
+    assert sandbox_pids(sandbox, b"agent.py") == [agent]
+    assert await run(client, sandbox, "echo the sandbox lives") == (0, "the sandbox lives\n")
+
+
 @NEEDS_DISK_CAP
 async def test_filling_the_disk_gives_enospc_inside_and_costs_the_host_only_the_cap(
         client: SandboxClient, sandbox: str, state_dir: Path) -> None:

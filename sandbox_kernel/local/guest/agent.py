@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the 
 CHUNK = 64 * 1024
 MAX_HEADER = 1 << 20
 FOLLOW_TIMEOUT = 60.0  # a fork-aware process has this long to fork itself into the new sandbox
+OOM_SCORE_ADJ = b"500"  # of 1000: half the memory limit added to a process's OOM badness
 ATTACH_TIMEOUT = 10.0  # an egress connection the engine does not pick up by then is closed
 
 
@@ -123,7 +124,8 @@ class Agent:
             proc = await asyncio.create_subprocess_exec(
                 cmd, *args, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                cwd=self.workdir, env=env, start_new_session=True, limit=CHUNK)
+                cwd=self.workdir, env=env, start_new_session=True, limit=CHUNK,
+                preexec_fn=oom_killer_goes_here_first)
         except OSError as exc:
             writer.write(frame({"error": "exec %s: %s" % (cmd, exc.strerror or exc)}))
             writer.write(frame({"exit_code": -1}))
@@ -333,6 +335,18 @@ async def ask_to_follow(registration: dict, join_pid: int, env: dict) -> dict:
         return json.loads(line) if line else {"ok": False, "error": "no answer"}
     except (OSError, ValueError, asyncio.TimeoutError) as exc:
         return {"ok": False, "error": str(exc) or type(exc).__name__}
+
+
+def oom_killer_goes_here_first() -> None:
+    """In a command's process, before exec: at the sandbox's memory limit the OOM killer
+    must take the user's processes (this one and all it starts inherit the value), never
+    the agent, which stays at 0 and whose death would end the sandbox. Raising one's own
+    oom_score_adj needs no privilege (lowering it below 0 would)."""
+    fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+    try:
+        os.write(fd, OOM_SCORE_ADJ)
+    finally:
+        os.close(fd)
 
 
 def exit_status(returncode: int) -> int:
