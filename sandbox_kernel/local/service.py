@@ -70,7 +70,8 @@ def read_endpoint(state_dir: Path) -> EngineEndpoint | None:
     endpoint = EngineEndpoint(url=info["url"], socket=info.get("socket"), token=token,
                               pid=info["pid"])
     try:
-        response = httpx.get(endpoint.url + "/healthz", timeout=2.0, trust_env=False)
+        # Plain http on loopback: verify=False only skips loading CA certificates (~40 ms).
+        response = httpx.get(endpoint.url + "/healthz", timeout=2.0, trust_env=False, verify=False)
         return endpoint if response.status_code == 200 else None
     except httpx.HTTPError:
         return None
