@@ -45,7 +45,7 @@ HELP = """\
                                   so far on CreateOS prices, running and paused
   %sandbox on-shutdown destroy|pause|keep
                                   what closing this notebook does to its sandbox
-  %sandbox help                   this text
+  %sandbox help                   this text; %sandbox COMMAND --help: that command only
 """
 EGRESS_HELP = """\
 %egress — the sandbox's outbound network allowlist (enforced outside the sandbox)
@@ -57,10 +57,10 @@ EGRESS_HELP = """\
   %egress block-all               no outbound connection at all
   %egress open                    allow every public destination (host, private and
                                   link-local addresses still need a rule)
-  %egress help                    this text
+  %egress help                    this text; %egress COMMAND --help: that command only
 
 A RULE is host, host:port, *.domain (subdomains), an IPv4/IPv6 address or a CIDR, e.g.
-pypi.org  files.pythonhosted.org:443  *.github.com  127.0.0.1:8000  10.0.0.0/8
+example.com  api.example.com:443  *.example.org  127.0.0.1:8000  10.0.0.0/8
 Changes apply to the next connection; an empty list means every public destination.
 """
 
@@ -99,9 +99,27 @@ class _Parser(argparse.ArgumentParser):
         raise MagicError(f"{self.prog}: {message} (see {self.prog.split()[0]} help)")
 
 
+def help_for(text: str, prog: str, words: list[str]) -> str | None:
+    """The help a line like `%sandbox fork --help` asks for (that command's entry), the whole
+    text for `%sandbox --help`, or None when the line does not ask for help."""
+    if "-h" not in words and "--help" not in words:
+        return None
+    command = words[0] if words and not words[0].startswith("-") else None
+    if command is None:
+        return text
+    entry: list[str] = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith(f"  {prog} {command} ") or line.rstrip() == f"  {prog} {command}":
+            entry.append(line)
+        elif entry and line.startswith(" " * 30):  # the entry's continuation lines
+            entry.append(line)
+        elif entry:
+            break
+    return "".join(entry) or text
+
+
 def build_egress_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=EGRESS, add_help=False)
-    parser.add_argument("-h", "--help", action="store_true")
     sub = parser.add_subparsers(dest="command")
     for name in ("show", "block-all", "open", "help"):
         sub.add_parser(name, add_help=False)
@@ -112,7 +130,6 @@ def build_egress_parser() -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="%sandbox", add_help=False)
-    parser.add_argument("-h", "--help", action="store_true")
     sub = parser.add_subparsers(dest="command")
     for name in ("status", "list", "pause", "resume", "cost", "help"):
         sub.add_parser(name, add_help=False)
@@ -180,13 +197,19 @@ class SandboxMagics:
         self.out = out
 
     async def run(self, line: str) -> None:
-        if line.startswith(EGRESS):
-            args = EGRESS_PARSER.parse_args(line[len(EGRESS):].split())
-            command = "help" if args.help else args.command or "show"
-            await getattr(self, "egress_" + command.replace("-", "_"))(args)
+        egress = line.startswith(EGRESS)
+        prog, text = (EGRESS, EGRESS_HELP) if egress else (MAGIC, HELP)
+        words = line[len(prog):].split()
+        asked = help_for(text, prog, words)
+        if asked is not None:
+            self.out.text(asked)
             return
-        args = PARSER.parse_args(line[len(MAGIC):].split())
-        command = "help" if args.help or args.command is None else args.command
+        if egress:
+            args = EGRESS_PARSER.parse_args(words)
+            await getattr(self, "egress_" + (args.command or "show").replace("-", "_"))(args)
+            return
+        args = PARSER.parse_args(words)
+        command = "help" if args.command is None else args.command
         handler = getattr(self, "do_" + command.replace("-", "_"))
         await handler(args)
 
