@@ -201,7 +201,11 @@ class CgroupFreezer(Freezer):
         return Handle(sandbox_id, 0, cgroup) if cgroup.is_dir() else None
 
     def detach(self, handle: Handle, pids: set[int]) -> None:
-        _move(self.parent, pids)
+        # Into a leaf of their own, not the parent: in v2 a cgroup whose children have
+        # controllers enabled (the limits, see limits.py) may not hold processes itself.
+        spared = self.parent / "spared"
+        spared.mkdir(exist_ok=True)
+        _move(spared, pids)
 
     def kill(self, handle: Handle) -> None:
         assert handle.cgroup is not None

@@ -35,7 +35,6 @@ log = logging.getLogger("sandbox_kernel.limits")
 
 PIDS_MAX = 512  # processes and threads of one sandbox (a fork has its own)
 CPU_PERIOD_US = 100_000
-V1_ROOT = Path("/sys/fs/cgroup")
 RLIMITS_ENV = "SANDBOX_RLIMITS"  # how the engine hands rlimit values to the agent
 MEMORY, CPU, PIDS = "memory", "cpu", "pids"
 CHOICES = ("auto", "rlimit")
