@@ -1,7 +1,7 @@
 """Resource attacks from notebook cells: a fork bomb, a memory bomb in a child process,
 filling the disk and spinning the CPU in many threads. Each is stopped at the sandbox's
-limit (see sandbox_kernel/local/limits.py); the notebook's kernel and Python state
-survive, and another notebook keeps working meanwhile.
+limit (see sandbox_kernel/local/limits.py); the notebook's kernel survives, and so does
+its Python state except after the fork bomb (see there); another notebook keeps working.
 
 The attacked notebook drives a small sandbox made for it (1 vCPU, 512 MiB, a 64 MiB
 disk), attached with SANDBOX_KERNEL_SANDBOX_ID, so the disk fills in a moment. The memory
