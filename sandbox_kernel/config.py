@@ -91,10 +91,12 @@ class Settings:
 
     @property
     def description(self) -> str:
-        """Where sandboxes come from, as the first cell's status line says it."""
-        if self.provider == "createos":
-            return "CreateOS"
-        return "the local engine" if self.api_key else "the local engine (no CreateOS API key set)"
+        return "CreateOS" if self.provider == "createos" else "the local engine"
+
+    @property
+    def why(self) -> str:
+        """Why this provider, when the user may not know (the first cell says it)."""
+        return " (no CreateOS API key set)" if self.provider == "local" and not self.api_key else ""
 
 
 # Every option and its environment variable. In the config file an option is a key of the

@@ -53,7 +53,6 @@ class SandboxKernel(Kernel):
     implementation_version = __version__
     language = "python"
     banner = "Python in a sandbox (sandbox-kernel)"
-    help_links = [{"text": "sandbox-kernel", "url": "https://pypi.org/project/sandbox-kernel/"}]
 
     # Kernel arguments (kernel.json argv), e.g. --SandboxKernel.sandbox_id=sb-...; they win
     # over the matching environment variables.
@@ -136,7 +135,8 @@ class SandboxKernel(Kernel):
         assert self.sandbox is not None
         took = f" in {self.sandbox.boot_seconds:.1f} s" if self.sandbox.boot_seconds else ""
         python = self.sandbox.runner_info.get("python_version", "?")
-        return f"Sandbox {self.sandbox.sandbox_id} ready on {self._provider()}{took} (Python {python})"
+        why = self.settings.why if self.settings else ""
+        return f"Sandbox {self.sandbox.sandbox_id} ready on {self._provider()}{why}{took} (Python {python})"
 
     def _send_iopub(self, msg_type: str, content: dict[str, Any]) -> None:
         self.send_response(self.iopub_socket, msg_type, content)

@@ -63,7 +63,7 @@ VIEW = {
     "shape": "s-1vcpu-256mb",
     "rootfs": "devbox:1",
     "envs": ["TOKEN"],
-    "egress": ["pypi.org:443"],
+    "egress": ["index.example.com:443"],
     "spawn_ms": 812,
 }
 

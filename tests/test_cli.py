@@ -26,13 +26,13 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_install_a_createos_variant_without_the_key(tmp_path: Path) -> None:
     done = cli("install", "--prefix", str(tmp_path), "--provider", "createos", "--shape", "s-2vcpu-4gb",
-               "--egress", "pypi.org,files.pythonhosted.org:443", CREATEOS_SANDBOX_API_KEY="sk_never_written")
+               "--egress", "index.example.com,files.example.com:443", CREATEOS_SANDBOX_API_KEY="sk_never_written")
     assert done.returncode == 0, done.stderr
     spec_file = tmp_path / "share" / "jupyter" / "kernels" / "sandbox-createos" / "kernel.json"
     spec = json.loads(spec_file.read_text())
     assert spec["display_name"] == "Python (CreateOS sandbox, s-2vcpu-4gb)"
     assert spec["env"] == {"SANDBOX_KERNEL_PROVIDER": "createos", "SANDBOX_KERNEL_SHAPE": "s-2vcpu-4gb",
-                           "SANDBOX_KERNEL_EGRESS": "pypi.org,files.pythonhosted.org:443"}
+                           "SANDBOX_KERNEL_EGRESS": "index.example.com,files.example.com:443"}
     assert spec["interrupt_mode"] == "message" and spec["argv"][0] == sys.executable
     assert "sk_never_written" not in spec_file.read_text() + done.stdout + done.stderr
 

@@ -14,9 +14,9 @@ def test_defaults_use_the_local_engine_and_say_why() -> None:
     settings = Settings.from_env({})
     assert (settings.provider, settings.shape, settings.auto_pause, settings.egress) == \
         ("local", "s-1vcpu-1gb", DEFAULT_AUTO_PAUSE, None)
-    assert settings.description == "the local engine (no CreateOS API key set)"
+    assert (settings.description, settings.why) == ("the local engine", " (no CreateOS API key set)")
     pinned = Settings.from_env({"SANDBOX_KERNEL_PROVIDER": "local", "CREATEOS_SANDBOX_API_KEY": "sk_x"})
-    assert pinned.description == "the local engine"
+    assert (pinned.description, pinned.why) == ("the local engine", "")
     assert "sk_secret" not in repr(Settings.from_env({"CREATEOS_SANDBOX_API_KEY": "sk_secret"}))
 
 
@@ -44,8 +44,8 @@ def test_mistakes_are_one_line(env: dict[str, str], message: str) -> None:
 def test_auto_pause_and_egress_forms() -> None:
     assert Settings.from_env({"SANDBOX_KERNEL_AUTO_PAUSE": "off"}).auto_pause is None
     assert Settings.from_env({"SANDBOX_KERNEL_AUTO_PAUSE": "600"}).auto_pause == 600
-    assert Settings.from_env({"SANDBOX_KERNEL_EGRESS": "PyPI.org, files.pythonhosted.org:443"}).egress == \
-        ["pypi.org", "files.pythonhosted.org:443"]
+    assert Settings.from_env({"SANDBOX_KERNEL_EGRESS": "Index.Example.com, files.example.com:443"}).egress == \
+        ["index.example.com", "files.example.com:443"]
 
 
 def write_config(tmp_path: Path, text: str) -> dict[str, str]:
@@ -63,13 +63,13 @@ def test_config_file_then_environment_then_kernel_arguments(tmp_path: Path) -> N
 shape = "s-2vcpu-4gb"
 rootfs = "devbox:1"
 auto_pause = 600
-egress = ["PyPI.org", "files.pythonhosted.org:443"]
+egress = ["Index.Example.com", "files.example.com:443"]
 on_shutdown = "pause"
 ''')
     from_file = Settings.from_env(env)
     assert (from_file.shape, from_file.rootfs, from_file.auto_pause, from_file.on_shutdown) == \
         ("s-2vcpu-4gb", "devbox:1", 600, "pause")
-    assert from_file.egress == ["pypi.org", "files.pythonhosted.org:443"]
+    assert from_file.egress == ["index.example.com", "files.example.com:443"]
     overridden = Settings.from_env({**env, "SANDBOX_KERNEL_SHAPE": "s-1vcpu-256mb",
                                     "SANDBOX_KERNEL_AUTO_PAUSE": "off"},
                                    kernel_args={"shape": "s-4vcpu-8gb", "rootfs": ""})

@@ -120,7 +120,7 @@ def test_the_option_and_the_configuration_key() -> None:
     base = Settings(provider="local")
     assert pool.pool_key(base) == pool.pool_key(Settings(provider="local", warm_pool=4))
     variants = [Settings(provider="local", shape="s-2vcpu-4gb"), Settings(provider="local", rootfs="other"),
-                Settings(provider="local", egress=["pypi.org"]), Settings(provider="local", egress=[]),
+                Settings(provider="local", egress=["index.example.com"]), Settings(provider="local", egress=[]),
                 Settings(provider="createos", api_key="k1"), Settings(provider="createos", api_key="k2")]
     keys = {pool.pool_key(settings) for settings in [base, *variants]}
     assert len(keys) == len(variants) + 1

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from kernel_helpers import PROVIDER, plain_traceback
+from kernel_helpers import PROVIDER, VIA_CREATEOS, plain_traceback
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +50,8 @@ def test_quickstart_notebook(kernelspec: str) -> None:
 
     status = [o for o in cells[0].outputs if o not in outs[0]]
     assert status and f"ready on {PROVIDER}" in status[-1]["data"]["text/plain"]
+    # With no key the line says why the local engine runs the notebook.
+    assert ("(no CreateOS API key set)" in status[-1]["data"]["text/plain"]) == (not VIA_CREATEOS)
     assert stdout(outs[0]).startswith("Python ") and " in sandbox sb-" in stdout(outs[0])
 
     [total] = outs[1]
