@@ -136,7 +136,8 @@ class SandboxKernel(Kernel):
         took = f" in {self.sandbox.boot_seconds:.1f} s" if self.sandbox.boot_seconds else ""
         python = self.sandbox.runner_info.get("python_version", "?")
         why = self.settings.why if self.settings else ""
-        return f"Sandbox {self.sandbox.sandbox_id} ready on {self._provider()}{why}{took} (Python {python})"
+        return (f"Sandbox {self.sandbox.sandbox_id} ready on {self._provider()}{why}{took} "
+                f"(Python {python}) · %sandbox --help")
 
     def _send_iopub(self, msg_type: str, content: dict[str, Any]) -> None:
         self.send_response(self.iopub_socket, msg_type, content)

@@ -52,6 +52,7 @@ def test_quickstart_notebook(kernelspec: str) -> None:
     assert status and f"ready on {PROVIDER}" in status[-1]["data"]["text/plain"]
     # With no key the line says why the local engine runs the notebook.
     assert ("(no CreateOS API key set)" in status[-1]["data"]["text/plain"]) == (not VIA_CREATEOS)
+    assert status[-1]["data"]["text/plain"].endswith(" · %sandbox --help")
     assert stdout(outs[0]).startswith("Python ") and " in sandbox sb-" in stdout(outs[0])
 
     [total] = outs[1]
