@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,7 +135,7 @@ class CellRun:
 
 @contextlib.asynccontextmanager
 async def kernel(name: str, env: dict[str, str] | None = None
-                 ) -> Any:
+                 ) -> AsyncIterator[tuple[AsyncKernelManager, AsyncKernelClient]]:
     """A started, ready kernel of kernelspec `name`: yields (manager, client)."""
     manager = AsyncKernelManager(kernel_name=name)
     await manager.start_kernel(env={**os.environ, **(env or {})})

@@ -13,6 +13,8 @@ import contextlib
 import statistics
 import time
 
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
 from common import PLAIN, SANDBOX, BenchEnv, Row, kernel, ms, run_cell
 from memory import command_line, pss_bytes, sandbox_processes
 
@@ -22,9 +24,10 @@ SETTLE = 3.0  # seconds of idleness before memory is read
 WHICH_SANDBOX = "import os; print(os.environ['SANDBOX_ID'])"
 
 
-async def _tick_cells(client, seconds: float) -> tuple[int, list[float]]:
+async def _tick_cells(client: AsyncKernelClient, seconds: float) -> tuple[int, list[float]]:
     """Run a cell at every TICK for `seconds`; return (failures, latencies)."""
-    latencies, failures = [], 0
+    latencies: list[float] = []
+    failures = 0
     started = time.monotonic()
     for tick in range(int(seconds / TICK)):
         await asyncio.sleep(max(0.0, started + tick * TICK - time.monotonic()))

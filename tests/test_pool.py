@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -85,7 +84,7 @@ def test_kernels_start_on_pooled_sandboxes_never_the_same_one_and_the_pool_refil
     assert all(sandbox_status(engine, s) in (SandboxStatus.DESTROYED, None) for s in claimed)
 
 
-def test_gc_keeps_fresh_pool_members_and_destroys_stale_ones(engine: EngineEndpoint, tmp_path) -> None:
+def test_gc_keeps_fresh_pool_members_and_destroys_stale_ones(engine: EngineEndpoint) -> None:
     warm = pool.WarmPool.for_settings(Settings(provider="local", shape="s-1vcpu-256mb"), 2)
 
     async def fill() -> int:
