@@ -84,8 +84,11 @@ class WarmPool:
 
     def members(self) -> list[str]:
         """Ready members, oldest first (they are claimed in that order)."""
-        entries = sorted(self.root.glob("members/*.json"), key=lambda p: p.stat().st_mtime)
-        return [p.stem for p in entries]
+        entries = []
+        for record in self.root.glob("members/*.json"):
+            with contextlib.suppress(FileNotFoundError):  # claimed by another kernel meanwhile
+                entries.append((record.stat().st_mtime, record.stem))
+        return [sandbox_id for _, sandbox_id in sorted(entries)]
 
     def claim(self) -> str | None:
         """Take one ready member out of the pool (never the same one twice), or None."""
