@@ -119,13 +119,15 @@ class WarmPool:
         while (ticket := self._reserve()) is not None:
             try:
                 sandbox_id = await make_member()
-            except Exception as exc:  # a pool is an optimisation: never break the kernel
-                log.warning("could not top up the warm pool: %s", exc)
-                return made
-            finally:
+            except BaseException as exc:
                 ticket.unlink(missing_ok=True)
+                if not isinstance(exc, Exception):  # cancelled: the kernel is going away
+                    raise
+                log.warning("could not top up the warm pool: %s", exc)  # never break the kernel
+                return made
             write_private(self.root / "members" / f"{sandbox_id}.json",
                           json.dumps({"created": time.time()}))
+            ticket.unlink(missing_ok=True)  # only now: the pool never looks short meanwhile
             # The maker claimed it while making it (so gc destroys it if the maker dies
             # half-way); pooled, it belongs to no kernel until one claims it.
             ownership.release(sandbox_id)
