@@ -90,7 +90,17 @@ def bench_env(extra_sandbox_env: dict[str, str] | None = None) -> Iterator[Bench
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        _remove(root)
+
+
+def _remove(root: Path) -> None:
+    """Remove the bench's directory; a sandbox's disk volume the engine has just unmounted
+    can stay busy for a moment."""
+    for _ in range(10):
         shutil.rmtree(root, ignore_errors=True)
+        if not root.exists():
+            return
+        time.sleep(0.5)
 
 
 def _wait_gone(pid: int, timeout: float) -> None:

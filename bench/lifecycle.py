@@ -2,24 +2,22 @@
 
     python bench/lifecycle.py [--repeat N] [--mib M]
 
-Also one measure of bench/run.py. Starts its own local engine (private state dir) when
-run alone, creates a sandbox through the same session code the kernel uses, fills the runner with M MiB of live objects, then times
-each operation as a client sees it: from the API call until GET reports the target
-status (for fork: until the child is running and its runner answers). Prints median and
-p95 over N repeats. Not a test: nothing here asserts a time.
+Also one measure of bench/run.py. Runs on a private local engine (common.bench_env),
+creates a sandbox through the same session code the kernel uses, fills the runner with
+M MiB of live objects, then times each operation as a client sees it: from the API call
+until GET reports the target status (for fork: until the child is running and its runner
+answers). Prints median and p95 over N repeats. Not a test: nothing here asserts a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
-import tempfile
 import time
 
-from common import Row, ms, summary
+from common import Row, bench_env, ms, summary
 from sandbox_kernel.config import Settings
 from sandbox_kernel.session import SandboxSession
 
@@ -84,9 +82,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--mib", type=int, default=200)
     args = parser.parse_args()
-    os.environ.setdefault("SANDBOX_KERNEL_STATE_DIR", tempfile.mkdtemp(prefix="sk-bench-"))
-    print(f"state dir {os.environ['SANDBOX_KERNEL_STATE_DIR']}, {args.mib} MiB of state, {args.repeat} repeats")
-    for name, seconds in asyncio.run(measure(args.repeat, args.mib)).items():
+    print(f"{args.mib} MiB of state, {args.repeat} repeats")
+    with bench_env():
+        timings = asyncio.run(measure(args.repeat, args.mib))
+    for name, seconds in timings.items():
         print(summary(name, seconds))
 
 
