@@ -161,6 +161,7 @@ class SandboxKernel(Kernel):
             return self._fail("KeyboardInterrupt", "interrupted: the sandbox is still starting; "
                               "run a cell when you want it")
         magics = SandboxMagics(session, out)
+        payload: list[dict[str, Any]] = []
         for segment in split_cell(code):
             if segment.magic:
                 try:
@@ -177,7 +178,8 @@ class SandboxKernel(Kernel):
             reply = await self._run_code(session, segment.text, silent, store_history, out)
             if reply["status"] != "ok":
                 return reply
-        return self._ok()
+            payload += reply["payload"]
+        return self._ok(payload)
 
     async def _run_code(self, session: SandboxSession, code: str, silent: bool,
                         store_history: bool, out: CellOutput) -> dict[str, Any]:
@@ -195,15 +197,16 @@ class SandboxKernel(Kernel):
         finally:
             translate.flush_input_tasks()
         if done.get("status") == "ok":
-            return self._ok()
+            # exit() in the cell: a frontend such as jupyter console ends its session.
+            return self._ok([{"source": "ask_exit", "keepkernel": False}] if translate.asked_exit else [])
         if done.get("status") == "unknown":
             return self._fail("SandboxError", "the sandbox lost this cell (its runner restarted)")
         error = translate.last_error or {"ename": "Error", "evalue": "", "traceback": []}
         return {"status": "error", "execution_count": self.execution_count, **error}
 
-    def _ok(self) -> dict[str, Any]:
+    def _ok(self, payload: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {"status": "ok", "execution_count": self.execution_count,
-                "payload": [], "user_expressions": {}}
+                "payload": payload or [], "user_expressions": {}}
 
     def _fail(self, ename: str, message: str) -> dict[str, Any]:
         """One clear line in the cell (no traceback: the user did nothing wrong in Python)."""
@@ -363,6 +366,7 @@ class _EventTranslator:
         self.session = session
         self.cell_id = cell_id
         self.last_error: dict[str, Any] | None = None
+        self.asked_exit = False
         self.input_tasks: list[asyncio.Task[None]] = []
         self.guard = OutputGuard(session.settings.output_limit)
 
@@ -388,6 +392,8 @@ class _EventTranslator:
             self.last_error = {"ename": event["ename"], "evalue": event["evalue"],
                                "traceback": event["traceback"]}
             send(iopub, "error", self.last_error)
+        elif kind == "ask_exit":
+            self.asked_exit = True
         elif kind == "input_request":
             # Don't block the event stream while the user types.
             self.input_tasks.append(asyncio.get_running_loop().create_task(

@@ -908,7 +908,9 @@ def _build_ipython_shell(emit, current_count):
             emit("error", ename=etype.__name__, evalue=str(evalue), traceback=user_frames)
 
         def ask_exit(self):
-            pass  # exit()/quit() in a cell must not end the daemon
+            # exit()/quit() in a cell must not end the daemon; the frontend is told
+            # instead (an ask_exit payload), as ipykernel does.
+            emit("ask_exit")
 
         def enable_gui(self, gui=None):
             if gui not in (None, "inline"):

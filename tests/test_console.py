@@ -47,9 +47,9 @@ def test_jupyter_console_runs_cells(kernelspec: str) -> None:
         console.send("%sandbox status\r")
         console.expect(r"state\s+running")
         prompt(console, 5)
-        console.sendcontrol("d")  # end of input: the console quits and shuts the kernel down
-        console.expect_exact("Do you really want to exit ([y]/n)?")
-        console.send("y\r")
+        # exit in the sandbox asks the frontend to end (an ask_exit payload): the console
+        # quits and shuts the kernel down, as with ipykernel.
+        console.send("exit\r")
         console.expect(pexpect.EOF)
     finally:
         console.close(force=True)

@@ -128,6 +128,15 @@ def test_error_points_at_the_users_cell(kc: BlockingKernelClient) -> None:
     assert execute(kc, "print('still alive')").text() == "still alive\n"
 
 
+def test_exit_asks_the_frontend_to_close_and_the_runner_stays(kc: BlockingKernelClient) -> None:
+    execute(kc, "kept_through_exit = 1")
+    reply = execute(kc, "exit()").reply["content"]
+    assert reply["status"] == "ok"
+    assert reply["payload"] == [{"source": "ask_exit", "keepkernel": False}]
+    # A frontend that does not close (a notebook) goes on with the same runner.
+    assert execute(kc, "print(kept_through_exit)").text() == "1\n"
+
+
 def test_syntax_error(kc: BlockingKernelClient) -> None:
     [error] = execute(kc, "def broken(:\n    pass").of_type("error")
     assert error["ename"] == "SyntaxError"
