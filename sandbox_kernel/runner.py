@@ -44,6 +44,7 @@ LOG_NAME = "runner.log"  # where the kernel points the daemon's stdout/stderr (a
 FORK_READY_TIMEOUT = 30.0  # seconds a forked child has to report that it serves
 # Joined in this order: the user namespace first grants the capabilities for the others.
 FORK_NAMESPACES = ("user", "mnt", "uts", "ipc", "net")
+CAPABILITY_VERSION_3 = 0x20080522  # _LINUX_CAPABILITY_VERSION_3, for capset()
 FORK_ERROR_MESSAGE = "this cell was running when the sandbox was forked; it continues only in the original sandbox"
 MAX_CELLS = 200  # beyond this many cells the oldest finished ones are forgotten
 # Output floods (a cell printing without end): each cell may show this much output
@@ -1447,10 +1448,29 @@ def _join_namespaces(pid: int) -> None:
                 except OSError:
                     os.chdir("/")
                 _reopen_in_this_mount_namespace(open_files)
+        _drop_capabilities(libc)
     finally:
         for _, fd in targets:
             if fd >= 0:
                 os.close(fd)
+
+
+def _drop_capabilities(libc) -> None:
+    """Give up the capabilities that joining the fork's user namespace granted.
+
+    setns() into a user namespace gives the caller every capability in it. Cell code of
+    the forked runner must not keep them: it could remount the fork's read-only agent
+    directory and impersonate its agent. Our uid is not 0 there, so nothing that is
+    executed later gets them back. Capabilities are per thread; a process that may
+    setns() into a user namespace has only one.
+    """
+    import ctypes
+
+    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)  # this thread
+    no_capabilities = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable (x2 words)
+    if libc.capset(header, no_capabilities) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, "dropping capabilities in the fork: %s" % os.strerror(error))
 
 
 def _reap(pid: int) -> None:

@@ -79,6 +79,15 @@ def test_fork_and_switch(kernelspec: str, engine: EngineEndpoint) -> None:
         assert "This notebook now drives the fork" in switched.text()
         now = value(kc, "print(os.environ['SANDBOX_ID'], mark)").split()
         assert now[0] != parent and now[1] == "shared"
+        # The forked runner joined the fork's namespaces but holds no capability there:
+        # its cells cannot remount the fork's read-only agent directory.
+        remount = value(kc, "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                            "MS_REMOUNT, MS_BIND = 32, 4096\n"
+                            "print(libc.mount(None, b'/run/sandbox-agent', None, MS_REMOUNT | MS_BIND, None),"
+                            " ctypes.get_errno())")
+        assert remount.split() == ["-1", "1"], remount  # EPERM
+        capabilities = value(kc, "print(open('/proc/self/status').read())")
+        assert "CapEff:\t0000000000000000" in capabilities, capabilities
         assert sandbox_status(engine, parent).value == "paused"
         value(kc, f"%sandbox attach {parent} --destroy-previous")
         assert value(kc, "print(os.environ['SANDBOX_ID'])").strip() == parent
