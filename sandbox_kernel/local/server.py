@@ -199,13 +199,16 @@ def create_app(engine: Engine, token: str) -> FastAPI:
                                      media_type="application/x-ndjson")
         started = time.monotonic()
         result = ExecResult(exit_code=-1)
+        stdout: list[str] = []  # joined once at the end: appending to a str is quadratic
+        stderr: list[str] = []
         async for frame in engine.exec(sandbox_id, body.cmd, body.args):
-            result.stdout += frame.get("stdout", "")
-            result.stderr += frame.get("stderr", "")
+            stdout.append(frame.get("stdout", ""))
+            stderr.append(frame.get("stderr", ""))
             if "error" in frame:
                 result.error = frame["error"]
             if "exit_code" in frame:
                 result.exit_code = frame["exit_code"]
+        result.stdout, result.stderr = "".join(stdout), "".join(stderr)
         return jsend(ExecResponse(result=result, exec_ms=(time.monotonic() - started) * 1000))
 
     # -- files ---------------------------------------------------------------------------
