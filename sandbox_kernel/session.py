@@ -63,6 +63,7 @@ POLL_WAIT = 1.0
 # without new output are given up on the same way.
 GATEWAY_GAVE_UP = (502, 504)
 STREAM_DROPS_BEFORE_POLLING = 2
+CLIENT_FAILURES_BEFORE_GIVING_UP = 3
 
 # Polling a transition (pause, resume, fork): locally it takes milliseconds, on CreateOS
 # it can take minutes; doubling from 20 ms to 2 s serves both with few requests.
@@ -535,6 +536,7 @@ class _EventStream:
         self.on_event = on_event
         self.last_seq = 0
         self.broken = False  # did the last exec fail (rather than end or time out)?
+        self.client_failures = 0  # runner clients that failed in a row
 
     async def follow(self, session: SandboxSession, runner_args: list[str]) -> dict[str, Any] | None:
         """Deliver new events until `done` (returned) or the stream breaks (None)."""
@@ -561,7 +563,8 @@ class _EventStream:
                             if done is not None:
                                 return done
                     if frame.exit_code not in (None, 0):
-                        raise runner_failed(stderr)
+                        self._client_failed(stderr)
+                        return None
         except NotFoundError as exc:
             await session.view()  # raises NotFoundError itself if the sandbox is gone
             raise StreamingUnavailable(str(exc)) from None
@@ -586,13 +589,24 @@ class _EventStream:
         if result.exit_code != 0:
             for line in result.stdout.split("\n"):
                 await self._deliver(line)  # raises RunnerGone at the client's error line
-            raise runner_failed(result.error or result.stderr)
+            self._client_failed(result.error or result.stderr)
+            return None
         self.broken = False
         for line in result.stdout.split("\n"):
             done = await self._deliver(line)
             if done is not None:
                 return done
         return None
+
+    def _client_failed(self, stderr: str) -> None:
+        """The runner client ended without a word: killed (the OOM killer) or never started
+        (no process could be made at the pids limit). Like a dropped stream it is tried
+        again, and a runner that died meanwhile is then reported as such; one that keeps
+        failing is reported with its last words."""
+        log.warning("the runner client failed after seq %d: %s", self.last_seq, stderr.strip()[-500:])
+        self.client_failures += 1
+        if self.client_failures >= CLIENT_FAILURES_BEFORE_GIVING_UP:
+            raise runner_failed(stderr)
 
     async def _deliver(self, line: str) -> dict[str, Any] | None:
         if not line.strip():
@@ -607,6 +621,7 @@ class _EventStream:
         if event["seq"] <= self.last_seq:
             return None  # replayed by attach: already delivered
         self.last_seq = event["seq"]
+        self.client_failures = 0
         if event["type"] == "done":
             return event
         await self.on_event(event)
