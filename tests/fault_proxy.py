@@ -15,8 +15,15 @@ real dropped connection mid-cell (what a CreateOS gateway timeout looks like).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from sandbox_kernel.local.service import EngineEndpoint
 
 VIEW_REQUEST = re.compile(rb"GET /v1/sandboxes/[^/?\s]+ HTTP/1.1$")
 BAD_GATEWAY_BODY = b'{"status": "error", "message": "bad gateway"}'
@@ -160,3 +167,14 @@ async def _whole_request(data: bytes, reader: asyncio.StreamReader) -> bytes:
     if len(body) < length:
         body += await reader.readexactly(length - len(body))
     return head + b"\r\n\r\n" + body
+
+
+@contextlib.contextmanager
+def proxied_engine(engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch,
+                   **faults: Any) -> Iterator[FaultProxy]:
+    """A FaultProxy (with `faults`) in front of the engine. Kernels started inside reach
+    the engine through it, on the CreateOS code path (base URL and key, as for the cloud)."""
+    with FaultProxy(int(engine.url.rsplit(":", 1)[1]), **faults) as proxy:
+        monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", f"http://127.0.0.1:{proxy.port}")
+        monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", engine.token)
+        yield proxy

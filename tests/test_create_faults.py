@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from fault_proxy import FaultProxy
+from fault_proxy import proxied_engine
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -38,10 +38,7 @@ SLOW_DOWN = reply("429 Too Many Requests", {"status": "fail", "data": "rate limi
 def test_refused_create_is_one_line_and_the_kernel_lives(
         replies: list[bytes], line: str, creates: int, kernelspec: str, engine: EngineEndpoint,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    engine_port = int(engine.url.rsplit(":", 1)[1])
-    with FaultProxy(engine_port, create_replies=replies) as proxy:
-        monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", f"http://127.0.0.1:{proxy.port}")
-        monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", engine.token)
+    with proxied_engine(engine, monkeypatch, create_replies=replies) as proxy:
         with running_kernel(kernelspec) as (km, kc):
             result = execute(kc, "print('never')")
             assert result.reply["content"]["status"] == "error"
@@ -56,10 +53,7 @@ def test_refused_create_is_one_line_and_the_kernel_lives(
 
 def test_rate_limited_create_waits_and_succeeds(kernelspec: str, engine: EngineEndpoint,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    engine_port = int(engine.url.rsplit(":", 1)[1])
-    with FaultProxy(engine_port, create_replies=[SLOW_DOWN]) as proxy:
-        monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", f"http://127.0.0.1:{proxy.port}")
-        monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", engine.token)
+    with proxied_engine(engine, monkeypatch, create_replies=[SLOW_DOWN]) as proxy:
         with running_kernel(kernelspec) as (_, kc):
             assert execute(kc, "print('after the wait')").text() == "after the wait\n"
             assert proxy.creates_seen == 2  # the 429, then the retry after Retry-After

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from jupyter_client import BlockingKernelClient, KernelManager
 
-from fault_proxy import FaultProxy
+from fault_proxy import FaultProxy, proxied_engine
 from kernel_helpers import TIMEOUT, execute, running_kernel
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -24,10 +24,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def slow_service(kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch
                  ) -> Iterator[tuple[FaultProxy, KernelManager, BlockingKernelClient]]:
-    engine_port = int(engine.url.rsplit(":", 1)[1])
-    with FaultProxy(engine_port) as proxy:
-        monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", f"http://127.0.0.1:{proxy.port}")
-        monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", engine.token)
+    with proxied_engine(engine, monkeypatch) as proxy:
         with running_kernel(kernelspec) as (km, kc):
             execute(kc, "state = 'kept'")
             yield proxy, km, kc

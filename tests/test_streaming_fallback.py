@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from fault_proxy import BAD_GATEWAY, FaultProxy
-from kernel_helpers import execute, running_kernel
+from fault_proxy import BAD_GATEWAY, proxied_engine
+from kernel_helpers import Execution, execute, running_kernel
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
@@ -27,18 +27,20 @@ COUNTING_CELL = "import time\nfor i in range(30):\n    print(i, flush=True)\n   
 COUNTED = "".join(f"{i}\n" for i in range(30))
 
 
+def assert_counted_once(result: Execution) -> None:
+    """COUNTING_CELL's output came whole: every line once, in order, then its result."""
+    assert result.reply["content"]["status"] == "ok", result.text("stderr") or result.of_type("error")
+    assert result.text() == COUNTED
+    assert result.of_type("execute_result")[0]["data"]["text/plain"] == "'finished'"
+
+
 @pytest.mark.parametrize("failure", list(REPLIES))
 def test_cells_run_by_polling_when_streaming_is_unavailable(
         failure: str, kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine_port = int(engine.url.rsplit(":", 1)[1])
-    with FaultProxy(engine_port, stream_reply=REPLIES[failure]) as proxy:
-        monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", f"http://127.0.0.1:{proxy.port}")
-        monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", engine.token)
+    with proxied_engine(engine, monkeypatch, stream_reply=REPLIES[failure]) as proxy:
         with running_kernel(kernelspec) as (_, kc):
             result = execute(kc, COUNTING_CELL)
-            assert result.reply["content"]["status"] == "ok", result.text("stderr") or result.of_type("error")
-            assert result.text() == COUNTED
-            assert result.of_type("execute_result")[0]["data"]["text/plain"] == "'finished'"
+            assert_counted_once(result)
             # Followed while it ran (about 1.5 s, polled every second), not only at the end.
             assert len([m for m in result.outputs if m["msg_type"] == "stream"]) >= 2
             error = execute(kc, "1 / 0").of_type("error")
@@ -48,10 +50,7 @@ def test_cells_run_by_polling_when_streaming_is_unavailable(
 
 def test_buffered_execs_failing_with_502_lose_and_repeat_nothing(
         kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine_port = int(engine.url.rsplit(":", 1)[1])
-    with FaultProxy(engine_port, stream_reply=REPLIES["404"]) as proxy:
-        monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", f"http://127.0.0.1:{proxy.port}")
-        monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", engine.token)
+    with proxied_engine(engine, monkeypatch, stream_reply=REPLIES["404"]) as proxy:
         with running_kernel(kernelspec) as (_, kc):
             assert execute(kc, "'polling now'").reply["content"]["status"] == "ok"
             # The cell's first exec never reaches the sandbox; the next two run there, but
@@ -59,22 +58,15 @@ def test_buffered_execs_failing_with_502_lose_and_repeat_nothing(
             proxy.fail_buffered_execs({1: "before", 2: "after", 3: "after"})
             result = execute(kc, COUNTING_CELL)
             assert proxy.bad_gateways == 3
-            assert result.reply["content"]["status"] == "ok", result.text("stderr") or result.of_type("error")
-            assert result.text() == COUNTED
-            assert result.of_type("execute_result")[0]["data"]["text/plain"] == "'finished'"
+            assert_counted_once(result)
             assert execute(kc, "i").of_type("execute_result")[0]["data"]["text/plain"] == "29"
 
 
 def test_streams_dropping_before_any_output_give_way_to_polling(
         kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine_port = int(engine.url.rsplit(":", 1)[1])
-    with FaultProxy(engine_port, cut_after_bytes=0, max_cuts=10) as proxy:
-        monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", f"http://127.0.0.1:{proxy.port}")
-        monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", engine.token)
+    with proxied_engine(engine, monkeypatch, cut_after_bytes=0, max_cuts=10) as proxy:
         with running_kernel(kernelspec) as (_, kc):
-            result = execute(kc, COUNTING_CELL)
-            assert result.reply["content"]["status"] == "ok", result.text("stderr") or result.of_type("error")
-            assert result.text() == COUNTED
+            assert_counted_once(execute(kc, COUNTING_CELL))
             assert proxy.cuts == 2, "two streams cut with nothing delivered, then polling"
             assert execute(kc, "i").of_type("execute_result")[0]["data"]["text/plain"] == "29"
             assert proxy.cuts == 2, "later cells poll from the start"
