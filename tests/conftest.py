@@ -11,13 +11,14 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from engine_helpers import running_engine
 from kernel_helpers import VIA_CREATEOS
+from sandbox_kernel.api import SandboxClient
 from sandbox_kernel.local.service import EngineEndpoint
 
 KERNEL_NAME = "sandbox-test"
@@ -54,6 +55,13 @@ def kernelspec(engine: EngineEndpoint, tmp_path_factory: pytest.TempPathFactory)
         os.environ["CREATEOS_SANDBOX_BASE_URL"] = engine.url
         os.environ["CREATEOS_SANDBOX_API_KEY"] = engine.token
     return KERNEL_NAME
+
+
+@pytest.fixture
+async def client(engine: EngineEndpoint) -> AsyncIterator[SandboxClient]:
+    """An API client of the engine (a module may override `engine`, or `client` itself)."""
+    async with SandboxClient(engine.url, engine.token) as api:
+        yield api
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -57,12 +57,6 @@ def extra_engine(tmp_path: Path, freezer: str) -> Iterator[EngineEndpoint]:
 
 
 @pytest.fixture
-async def client(engine: EngineEndpoint) -> AsyncIterator[SandboxClient]:
-    async with SandboxClient(engine.url, engine.token) as api:
-        yield api
-
-
-@pytest.fixture
 async def sandbox(client: SandboxClient) -> AsyncIterator[str]:
     created = await client.create_sandbox(CreateSandboxRequest(shape=SHAPE))
     yield created.id

@@ -7,7 +7,6 @@ uts and ipc namespaces. Destroying either side leaves the other working.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ from sandbox_kernel.api import (
     SandboxClient,
     SandboxStatus,
 )
-from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +45,6 @@ async def fork(client: SandboxClient, source: str, request: ForkSandboxRequest |
     seen, _ = await wait_status(client, child.id, want, timeout=30)
     assert seen[0] in (SandboxStatus.FORKING, want)
     return child.id
-
-
-@pytest.fixture
-async def client(engine: EngineEndpoint) -> AsyncIterator[SandboxClient]:
-    async with SandboxClient(engine.url, engine.token) as api:
-        yield api
 
 
 async def test_fork_needs_a_paused_source_and_a_known_id(client: SandboxClient) -> None:

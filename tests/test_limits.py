@@ -56,12 +56,6 @@ def python(code: str) -> str:
 
 
 @pytest.fixture
-async def client(engine: EngineEndpoint) -> AsyncIterator[SandboxClient]:
-    async with SandboxClient(engine.url, engine.token) as api:
-        yield api
-
-
-@pytest.fixture
 async def sandbox(client: SandboxClient) -> AsyncIterator[str]:
     created = await client.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb", disk_mib=64))
     yield created.id
