@@ -194,6 +194,10 @@ class SandboxKernel(Kernel):
             return self._fail("SandboxError", str(exc))
         except SandboxAPIError as exc:
             return self._fail("SandboxError", exc.user_message())
+        except Exception as exc:  # a bug of ours must not cost the cell its reply
+            log.exception("cell %s failed in the kernel", cell_id)
+            return self._fail("SandboxError", f"internal error ({type(exc).__name__}: {exc}); "
+                              "details are in the kernel's log")
         finally:
             translate.flush_input_tasks()
         if done.get("status") == "ok":

@@ -460,7 +460,11 @@ class SandboxSession:
         log.warning("the runner died: %s", exc)
         seen = self.oom_kills.get(self.sandbox_id or "", 0)
         view = await self.view()
-        await self.start_runner()
+        try:
+            await self.start_runner()
+        except (RuntimeError, SandboxAPIError) as error:  # e.g. no process can start there now
+            return SessionError(f"the Python runner in the sandbox died ({exc}), and a new one "
+                                f"could not be started: {error}; the next cell tries again")
         lost = "the runner restarted: variables and imports are gone, files are kept"
         if (view.oom_kills or 0) > seen:
             return SessionError(f"cell killed: memory limit {view.mem_mib} MiB reached; {lost}")

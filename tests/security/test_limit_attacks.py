@@ -1,7 +1,8 @@
 """Resource attacks from notebook cells: a fork bomb, a memory bomb in a child process,
 filling the disk and spinning the CPU in many threads. Each is stopped at the sandbox's
 limit (see sandbox_kernel/local/limits.py); the notebook's kernel survives, and so does
-its Python state except after the fork bomb (see there); another notebook keeps working.
+its Python state; another notebook keeps working. A fork bomb may stall its own sandbox
+(see there), but stays contained to it.
 
 The attacked notebook drives a small sandbox made for it (1 vCPU, 512 MiB, a 64 MiB
 disk), attached with SANDBOX_KERNEL_SANDBOX_ID, so the disk fills in a moment. The memory
@@ -12,6 +13,7 @@ tests/test_limits_kernel.py.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from attack_helpers import ONCE, attempt
+from engine_helpers import sandbox_pids
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel.local import disk
 from sandbox_kernel.local.limits import PIDS_MAX, select as select_limiter
@@ -124,33 +127,39 @@ print((time.process_time() - cpu) / (time.time() - start))
 
 # Last in this module: the runner it may cost takes the notebook's variables with it.
 @pytest.mark.skipif("pids" not in HELD, reason="no pids cgroup on this host")
-def test_a_fork_bomb_is_stopped_and_the_notebook_carries_on(kc, small_sandbox: str,
-                                                            engine: EngineEndpoint) -> None:
-    """Every process forks for as long as it can, then sleeps a little and exits. Forking
-    stops at the pids limit (EAGAIN); the ~500 Python processes also reach the memory
-    limit, where the OOM killer (which spares the sandbox's agent) may end the runner, the
-    largest of them: then the cell says so in one line and a fresh runner takes over.
-    Either way the sandbox, the kernel and the next cell work."""
-    bomb = execute(kc, """
-import subprocess, sys
+def test_a_fork_bomb_is_contained_to_its_sandbox(kc, kernelspec: str, small_sandbox: str,
+                                                 engine: EngineEndpoint) -> None:
+    """Every process of a Python fork bomb forks for 5 s. Forking stops at the pids limit
+    (EAGAIN), but the ~500 processes of a few MiB each press the 512 MiB memory limit: the
+    sandbox may stall, thrashing in its own memory cgroup, for minutes (the known cost of
+    a bomb that stays under every limit; the README says so). What must hold is that it is
+    contained: the sandbox never holds more than its pids limit, another notebook starts
+    and runs meanwhile, the engine answers, destroying the sandbox ends every process of
+    it, and the attacked notebook's cell then ends with one line and its kernel lives."""
+    msg_id = kc.execute("""
+import subprocess, sys, time
 bomb = ("import os, time\\n"
-        "for _ in range(64):\\n"
+        "end = %f\\n"
+        "while time.time() < end:\\n"
         "    try:\\n"
         "        os.fork()\\n"
-        "    except OSError as exc:\\n"
-        "        os.write(1, b'%d\\\\n' % exc.errno)\\n"
-        "        break\\n"
-        "time.sleep(2)\\n")
-run = subprocess.run([sys.executable, '-c', bomb], capture_output=True, timeout=300)
-print(' '.join(sorted(set(run.stdout.decode().split()))))
-""", timeout=360)
-    if bomb.reply["content"]["status"] == "ok":
-        assert bomb.text() == "11\n"  # EAGAIN, and only that: the pids limit
-    else:
-        assert "cell killed: memory limit 512 MiB reached" in bomb.text("stderr")
-    assert execute(kc, "print(6 * 7)").text() == "42\n"
-    with httpx.Client(base_url=engine.url, headers={"X-Api-Key": engine.token}) as api:
-        assert api.get(f"/v1/sandboxes/{small_sandbox}").json()["data"]["status"] == "running"
+        "    except OSError:\\n"
+        "        time.sleep(0.1)\\n" % (time.time() + 5))
+subprocess.run([sys.executable, '-c', bomb], timeout=600)
+""")
+    time.sleep(8)  # the bomb has reached the limit by now
+    assert 100 < len(sandbox_pids(small_sandbox)) <= PIDS_MAX
+    with running_kernel(kernelspec) as (_, neighbour):
+        assert execute(neighbour, "print(6 * 7)").text() == "42\n"
+    assert len(sandbox_pids(small_sandbox)) <= PIDS_MAX
+    with httpx.Client(base_url=engine.url, headers={"X-Api-Key": engine.token}, timeout=60) as api:
+        assert api.delete(f"/v1/sandboxes/{small_sandbox}").status_code == 200
+    assert sandbox_pids(small_sandbox) == []
+    reply = kc.get_shell_msg(timeout=120)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kc.get_shell_msg(timeout=120)
+    assert reply["content"]["status"] == "error"
+    assert kc.kernel_info(reply=True, timeout=60)["content"]["status"] == "ok"
 
 
 def drain_stdout(kc: BlockingKernelClient, msg_id: str) -> list[dict]:
