@@ -6,7 +6,6 @@ processes, host network and the engine, privileged system calls.
 from __future__ import annotations
 
 import hashlib
-import os
 import socket
 import subprocess
 import threading
