@@ -36,11 +36,7 @@ def running_engine(state: Path, **env: str) -> Iterator[EngineEndpoint]:
             pytest.fail("local engine did not start: " + (state / "engine.log").read_text()[-2000:])
         yield endpoint
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_process(process, 15)
 
 
 def sandbox_pids(sandbox_id: str, needle: bytes = b"") -> list[int]:
@@ -104,3 +100,13 @@ def sandbox_status(engine: EngineEndpoint, sandbox_id: str) -> SandboxStatus | N
                 return None
 
     return asyncio.run(query())
+
+
+def stop_process(process: subprocess.Popen, grace: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after `grace` seconds."""
+    process.terminate()
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

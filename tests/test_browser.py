@@ -23,6 +23,7 @@ import httpx
 import nbformat
 import pytest
 
+from engine_helpers import stop_process
 from kernel_helpers import PROVIDER
 
 pytestmark = pytest.mark.slow
@@ -76,12 +77,7 @@ def jupyterlab(root: Path, settings: Path) -> Iterator[str]:
         wait_until_up(url, token, server)
         yield f"{url}/lab/tree/demo.ipynb?token={token}"
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server, 20)
         log.close()
 
 
