@@ -206,7 +206,9 @@ def test_bang_command_ipython(ipython_daemon):
 def test_large_output_is_complete_and_coalesced(daemon):
     events = daemon.run("for i in range(200000):\n    print(i)")
     assert stdout_of(events) == "".join("%d\n" % i for i in range(200000))
-    assert len(of_type(events, "stream")) < 200
+    # Coalesced: far fewer events than prints (how many depends on the machine's speed,
+    # as text is flushed every few milliseconds).
+    assert len(of_type(events, "stream")) < 2000
 
 
 # ---------------------------------------------------------- results, display
