@@ -203,8 +203,6 @@ class SandboxKernel(Kernel):
         if done.get("status") == "ok":
             # exit() in the cell: a frontend such as jupyter console ends its session.
             return self._ok([{"source": "ask_exit", "keepkernel": False}] if translate.asked_exit else [])
-        if done.get("status") == "unknown":
-            return self._fail("SandboxError", "the sandbox lost this cell (its runner restarted)")
         error = translate.last_error or {"ename": "Error", "evalue": "", "traceback": []}
         return {"status": "error", "execution_count": self.execution_count, **error}
 

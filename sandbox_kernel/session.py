@@ -3,8 +3,8 @@
 Everything here goes through SandboxClient (the CreateOS REST API); nothing touches a
 process or file of the sandbox directly, so the same code drives CreateOS and the local
 engine. The runner (runner.py) is uploaded at start and run as a daemon holding the
-user's globals; each cell is one streaming exec of `runner.py run`, whose stdout is
-the cell's NDJSON events. If that stream drops, `run` is sent again with the last event
+user's globals; each cell is one streaming exec of its light client, `runner_client.py
+run`, whose stdout is the cell's NDJSON events. If that stream drops, `run` is sent again with the last event
 seen, and the runner resumes the same cell from there, so nothing is lost or repeated.
 """
 
@@ -442,7 +442,7 @@ class SandboxSession:
         return done
 
     async def _follow(self, stream: _EventStream, request: dict[str, Any]) -> dict[str, Any] | None:
-        """One exec of `runner.py run`: streamed if the service can, else one poll."""
+        """One exec of `runner_client.py run`: streamed if the service can, else one poll."""
         try:
             if self.streaming:
                 try:
