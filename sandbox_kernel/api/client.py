@@ -14,10 +14,11 @@ One ``httpx.AsyncClient`` (one connection pool) per :class:`SandboxClient`. Retr
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import random
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Mapping, Sequence, TypeVar
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -40,7 +41,17 @@ from .models import (
     ExecFrame,
     ExecRequest,
     ExecResponse,
+    CreateProcessRequest,
     FileUploadResponse,
+    ManagedProcess,
+    ProcessFrame,
+    ProcessInput,
+    ProcessInputAck,
+    ProcessList,
+    ProcessSignal,
+    ProcessSignalRequest,
+    PtySize,
+    WaitScope,
     ForkSandboxRequest,
     Health,
     PatchSandboxRequest,
@@ -53,13 +64,16 @@ from .models import (
 
 from .. import __version__ as _VERSION
 
-__all__ = ["SandboxClient", "ExecStream", "USER_AGENT", "PUBLIC_ROUTES", "PAGE_LIMIT"]
+__all__ = ["SandboxClient", "ExecStream", "ProcessStream", "USER_AGENT", "PUBLIC_ROUTES", "PAGE_LIMIT"]
 
 USER_AGENT = f"sandbox-kernel/{_VERSION}"
 #: (method, path) pairs sent without the API key
 PUBLIC_ROUTES = frozenset({("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/v1/shapes"), ("GET", "/v1/rootfs")})
 #: page size asked for (the server clamps to 500)
 PAGE_LIMIT = 500
+
+#: how long a wait_process without timeout_ms may take before the client gives up
+UNBOUNDED_WAIT_SECONDS = 24 * 3600.0
 
 _IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 _RETRY_STATUS_IDEMPOTENT = frozenset({408, 429, 500, 502, 503, 504})
@@ -68,6 +82,7 @@ _SSE_SKIP_PREFIXES = (":", "event:", "id:", "retry:")
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
 M = TypeVar("M", bound=pydantic.BaseModel)
+F = TypeVar("F", bound=pydantic.BaseModel)
 
 
 def _backoff(attempt: int) -> float:
@@ -79,12 +94,16 @@ def _seg(value: str) -> str:
     return quote(str(value), safe="")
 
 
-class ExecStream:
-    """The frames of a streaming exec, as they arrive (``async for frame in stream``).
+class _FrameStream(Generic[F]):
+    """The frames of an NDJSON stream, as they arrive (``async for frame in stream``).
 
-    Iteration ends at EOF only (frames after ``exit_code`` are delivered). A line that is not a JSON object raises
-    :class:`ProtocolError` and closes the response; a connection dropped mid-stream raises :class:`APITransportError`.
+    Iteration ends at EOF only (frames after an exit are delivered). A line that is not a JSON object of the stream's
+    frame model raises :class:`ProtocolError` and closes the response; a connection dropped mid-stream raises
+    :class:`APITransportError`.
     """
+
+    frame_model: type[F]
+    kind: str
 
     def __init__(self, response: httpx.Response, *, method: str, path: str, secrets: Sequence[str | None]) -> None:
         self.response = response
@@ -95,16 +114,16 @@ class ExecStream:
         self._secrets = list(secrets)
         self._started = False
 
-    def __aiter__(self) -> AsyncIterator[ExecFrame]:
+    def __aiter__(self) -> AsyncIterator[F]:
         if self._started:
-            raise RuntimeError("an exec stream can be iterated only once")
+            raise RuntimeError(f"{self.kind} stream can be iterated only once")
         self._started = True
         return self._frames()
 
     def _protocol_error(self, message: str) -> ProtocolError:
         return protocol_error(message, self.response, method=self._method, path=self._path, secrets=self._secrets)
 
-    async def _frames(self) -> AsyncIterator[ExecFrame]:
+    async def _frames(self) -> AsyncIterator[F]:
         try:
             async for raw_line in self.response.aiter_lines():
                 line = raw_line.strip()
@@ -123,10 +142,10 @@ class ExecStream:
                     await self.response.aclose()
                     raise self._protocol_error(f"stream line is not a JSON object: {line[:80]!r}")
                 try:
-                    frame = ExecFrame.model_validate(obj)
+                    frame = self.frame_model.model_validate(obj)
                 except pydantic.ValidationError as exc:
                     await self.response.aclose()
-                    raise self._protocol_error(f"invalid exec frame: {_validation_summary(exc)}") from None
+                    raise self._protocol_error(f"invalid {self.kind} frame: {_validation_summary(exc)}") from None
                 yield frame
         except httpx.TimeoutException as exc:
             raise APITimeoutError(
@@ -142,6 +161,20 @@ class ExecStream:
             raise APITransportError(
                 f"stream unavailable ({type(exc).__name__})", method=self._method, path=self._path
             ) from None
+
+
+class ExecStream(_FrameStream[ExecFrame]):
+    """The frames of a streaming exec."""
+
+    frame_model = ExecFrame
+    kind = "an exec"
+
+
+class ProcessStream(_FrameStream[ProcessFrame]):
+    """The frames of a managed process's ``connect``: replayed output, then live output, then ``exit``."""
+
+    frame_model = ProcessFrame
+    kind = "a process"
 
 
 def _validation_summary(exc: pydantic.ValidationError) -> str:
@@ -458,17 +491,32 @@ class SandboxClient:
     # --------------------------------------------------------------------------------------------------------- exec
 
     async def exec(
-        self, sandbox_id: str, cmd: str, args: Sequence[str] | None = None, *, timeout: float | None = None
+        self,
+        sandbox_id: str,
+        cmd: str,
+        args: Sequence[str] | None = None,
+        *,
+        stdin: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
     ) -> ExecResponse:
-        """Buffered exec (no shell: use ``cmd="bash", args=["-lc", script]``). Retried only on 429/503."""
+        """Buffered exec (no shell: use ``cmd="bash", args=["-lc", script]``). ``stdin`` is the command's whole
+        standard input; ``env`` is added to the sandbox's envs for this command. Retried only on 429/503."""
         path = self._sb(sandbox_id) + "/exec"
-        body = ExecRequest(cmd=cmd, args=list(args or [])).to_wire()
-        data = await self._call("POST", path, json_body=body, timeout=timeout)
+        body = ExecRequest(cmd=cmd, args=list(args or []), stdin=stdin or None, env=dict(env or {}) or None)
+        data = await self._call("POST", path, json_body=body.to_wire(), timeout=timeout)
         return self._decode(ExecResponse, data, "POST", path)
 
     @asynccontextmanager
     async def exec_stream(
-        self, sandbox_id: str, cmd: str, args: Sequence[str] | None = None, *, timeout: float | None = None
+        self,
+        sandbox_id: str,
+        cmd: str,
+        args: Sequence[str] | None = None,
+        *,
+        stdin: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
     ) -> AsyncIterator[ExecStream]:
         """Streaming exec: ``async with client.exec_stream(id, "ls") as frames: async for f in frames: ...``
 
@@ -476,34 +524,129 @@ class SandboxClient:
         answer raises the typed error on entry. Never retried. ``timeout`` bounds each idle gap (heartbeats keep a
         healthy stream alive)."""
         path = self._sb(sandbox_id) + "/exec"
-        body = ExecRequest(cmd=cmd, args=list(args or []), stream=True).to_wire()
+        body = ExecRequest(cmd=cmd, args=list(args or []), stdin=stdin or None, env=dict(env or {}) or None,
+                           stream=True)
+        async with self._stream("POST", path, {"stream": "true"}, body.to_wire(), timeout) as response:
+            yield ExecStream(response, method="POST", path=self._prefix + path, secrets=self._secrets)
+
+    @asynccontextmanager
+    async def _stream(
+        self, method: str, path: str, params: dict[str, Any], body: Any, timeout: float | None
+    ) -> AsyncIterator[httpx.Response]:
+        """A streamed response whose status is 2xx (else the typed error is raised); closed on exit. No retry."""
         request = self._http.build_request(
-            "POST",
+            method,
             self._base_url + path,
-            params={"stream": "true"},
+            params=params,
             json=body,
-            headers=self._headers("POST", path),
+            headers=self._headers(method, path),
             timeout=self._timeout_for(timeout),
         )
         try:
             response = await self._http.send(request, stream=True)
         except httpx.TransportError as exc:
-            raise self._transport_error(exc, "POST", path, 1) from None
+            raise self._transport_error(exc, method, path, 1) from None
         try:
             status = response.status_code
             if not 200 <= status < 300:
                 try:
                     await response.aread()
                 except httpx.HTTPError as exc:
-                    raise self._transport_error(exc, "POST", path, 1) from None
+                    raise self._transport_error(exc, method, path, 1) from None
                 if 300 <= status < 400:
                     raise protocol_error(
-                        f"unexpected redirect (HTTP {status})", response, method="POST", path=self._prefix + path
+                        f"unexpected redirect (HTTP {status})", response, method=method, path=self._prefix + path
                     )
-                raise error_from_response(response, method="POST", path=self._prefix + path, secrets=self._secrets)
-            yield ExecStream(response, method="POST", path=self._prefix + path, secrets=self._secrets)
+                raise error_from_response(response, method=method, path=self._prefix + path, secrets=self._secrets)
+            yield response
         finally:
             await response.aclose()
+
+    # --------------------------------------------------------------------------------------------- managed processes
+
+    def _proc(self, sandbox_id: str, process_id: str = "", suffix: str = "") -> str:
+        path = self._sb(sandbox_id) + "/processes"
+        if process_id:
+            path += "/" + _seg(process_id)
+        return path + suffix
+
+    async def create_process(self, sandbox_id: str, req: CreateProcessRequest) -> ManagedProcess:
+        """``POST .../processes``: start a long-lived process (pipes, or a PTY with ``req.pty``). It outlives every
+        connection; only kill, its own exit or the sandbox's end stop it. Retried only on 429/503."""
+        path = self._proc(sandbox_id)
+        data = await self._call("POST", path, json_body=req.to_wire())
+        return self._decode(ManagedProcess, data, "POST", path)
+
+    async def list_processes(self, sandbox_id: str) -> list[ManagedProcess]:
+        """Every process of the sandbox's table, exited ones still retained included."""
+        path = self._proc(sandbox_id)
+        data = await self._call("GET", path)
+        return self._decode(ProcessList, data, "GET", path).processes
+
+    async def get_process(self, sandbox_id: str, process_id: str) -> ManagedProcess:
+        path = self._proc(sandbox_id, process_id)
+        return self._decode(ManagedProcess, await self._call("GET", path), "GET", path)
+
+    async def kill_process(self, sandbox_id: str, process_id: str, *, grace_ms: int = 0) -> ManagedProcess:
+        """``DELETE .../processes/:pid``: end the whole tree (SIGTERM, then SIGKILL after ``grace_ms``; at once with
+        0). Answers once the tree is gone."""
+        path = self._proc(sandbox_id, process_id)
+        params = {"grace_ms": int(grace_ms)} if grace_ms > 0 else None
+        timeout = self._timeout + grace_ms / 1000
+        return self._decode(ManagedProcess, await self._call("DELETE", path, params=params, timeout=timeout),
+                            "DELETE", path)
+
+    @asynccontextmanager
+    async def connect_process(
+        self, sandbox_id: str, process_id: str, *, after: int = 0, timeout: float | None = None
+    ) -> AsyncIterator[ProcessStream]:
+        """``GET .../processes/:pid/connect?after=N``: the retained frames with ``seq > after``, then live ones,
+        then ``exit``. Leaving the block disconnects (the process runs on). Never retried: reconnect with the
+        last ``seq`` seen. ``timeout`` bounds each idle gap (heartbeats keep an idle stream alive)."""
+        path = self._proc(sandbox_id, process_id, "/connect")
+        async with self._stream("GET", path, {"after": int(after)}, None, timeout) as response:
+            yield ProcessStream(response, method="GET", path=self._prefix + path, secrets=self._secrets)
+
+    async def process_input(self, sandbox_id: str, process_id: str, data: bytes) -> int:
+        """Write ``data`` to the process's stdin (a PTY: as keystrokes); its ``input_seq``. Never retried (a
+        retry could write twice)."""
+        path = self._proc(sandbox_id, process_id, "/input")
+        body = ProcessInput(data_base64=base64.b64encode(data).decode()).to_wire()
+        ack = await self._call("POST", path, json_body=body, retry=False)
+        return self._decode(ProcessInputAck, ack, "POST", path).input_seq
+
+    async def close_process_stdin(self, sandbox_id: str, process_id: str) -> None:
+        """The process reads EOF once it has read what was written (pipe processes only)."""
+        await self._call("POST", self._proc(sandbox_id, process_id, "/stdin/close"))
+
+    async def resize_process(self, sandbox_id: str, process_id: str, rows: int, cols: int) -> None:
+        """Set a PTY's size (its foreground job gets SIGWINCH)."""
+        body = PtySize(rows=rows, cols=cols).to_wire()
+        await self._call("POST", self._proc(sandbox_id, process_id, "/resize"), json_body=body)
+
+    async def signal_process(self, sandbox_id: str, process_id: str, signal: ProcessSignal | str) -> None:
+        """Send ``signal`` to the process's group (a PTY: to its foreground job, as the terminal's keys would)."""
+        body = ProcessSignalRequest(signal=ProcessSignal(signal)).to_wire()
+        await self._call("POST", self._proc(sandbox_id, process_id, "/signal"), json_body=body)
+
+    async def wait_process(
+        self,
+        sandbox_id: str,
+        process_id: str,
+        *,
+        scope: WaitScope | str = WaitScope.LEADER,
+        timeout_ms: int | None = None,
+    ) -> ManagedProcess:
+        """Long-poll until the leader (or with ``scope="tree"`` its whole tree) has exited, or ``timeout_ms`` ran
+        out: the process as it then is (check ``leader_exited`` / ``tree_exited``)."""
+        path = self._proc(sandbox_id, process_id, "/wait")
+        params: dict[str, Any] = {"scope": WaitScope(scope).value}
+        if timeout_ms is not None:
+            params["timeout_ms"] = int(timeout_ms)
+        # The answer comes when the wait ends: allow for it (an unbounded wait: a day) plus the usual timeout.
+        waited = UNBOUNDED_WAIT_SECONDS if timeout_ms is None else timeout_ms / 1000
+        data = await self._call("GET", path, params=params, timeout=self._timeout + waited)
+        return self._decode(ManagedProcess, data, "GET", path)
 
     # -------------------------------------------------------------------------------------------------------- files
 

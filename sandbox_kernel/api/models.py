@@ -15,10 +15,11 @@ Shared by the client and by the local engine's server, so they describe the wire
 
 from __future__ import annotations
 
+import base64
 import re
 from datetime import datetime
 from enum import Enum
-from typing import Any, Generic, List, Optional, TypeVar, Union
+from typing import Any, Dict, Generic, List, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,6 +49,23 @@ __all__ = [
     "ExecResult",
     "ExecResponse",
     "ExecFrame",
+    "ProcessKind",
+    "ProcessState",
+    "ProcessSignal",
+    "ProcessOutputStream",
+    "ProcessFrameType",
+    "WaitScope",
+    "PtySize",
+    "CreateProcessRequest",
+    "ProcessForeground",
+    "OutputWindow",
+    "ManagedProcess",
+    "ProcessList",
+    "ProcessInput",
+    "ProcessInputAck",
+    "ProcessSignalRequest",
+    "ProcessAck",
+    "ProcessFrame",
     "Pagination",
     "Page",
     "FileUploadResponse",
@@ -311,8 +329,13 @@ class EgressUpdate(WireModel):
 
 
 class ExecRequest(WireModel):
+    """``stdin`` is written to the command's standard input, then closed (§15.2); without it the command reads
+    EOF. ``env`` is added to the sandbox's create-time ``envs`` for this command only (it wins on a clash)."""
+
     cmd: str
     args: List[str] = Field(default_factory=list)
+    stdin: Optional[str] = None
+    env: Optional[Dict[str, str]] = None
     stream: Optional[bool] = None
 
 
@@ -341,6 +364,146 @@ class ExecFrame(WireModel):
     @property
     def is_heartbeat(self) -> bool:
         return bool(self.hb)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Managed processes (§15.3)
+
+
+class ProcessKind(str, Enum):
+    PROCESS = "process"
+    PTY = "pty"
+
+
+class ProcessState(str, Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    TERMINATING = "terminating"
+    EXITED = "exited"
+    FAILED = "failed"
+
+
+class ProcessSignal(str, Enum):
+    """The signals ``POST .../processes/:pid/signal`` accepts (by name on the wire)."""
+
+    SIGHUP = "SIGHUP"
+    SIGINT = "SIGINT"
+    SIGQUIT = "SIGQUIT"
+    SIGKILL = "SIGKILL"
+    SIGTERM = "SIGTERM"
+    SIGUSR1 = "SIGUSR1"
+    SIGUSR2 = "SIGUSR2"
+    SIGWINCH = "SIGWINCH"
+
+
+class ProcessOutputStream(str, Enum):
+    STDOUT = "stdout"
+    STDERR = "stderr"
+    PTY = "pty"  # a PTY's one merged stream
+
+
+class ProcessFrameType(str, Enum):
+    DATA = "data"
+    EXIT = "exit"
+    HEARTBEAT = "heartbeat"
+    ERROR = "error"
+
+
+class WaitScope(str, Enum):
+    LEADER = "leader"  # the process started
+    TREE = "tree"  # it and every process of its session
+
+
+class PtySize(WireModel):
+    rows: Optional[int] = Field(default=None, ge=1, le=1000)
+    cols: Optional[int] = Field(default=None, ge=1, le=1000)
+
+
+class CreateProcessRequest(WireModel):
+    """``POST .../processes``. With ``pty`` the process gets a terminal (``cmd`` may then be omitted: a shell);
+    without it, pipes (``cmd`` required)."""
+
+    cmd: Optional[str] = None
+    args: Optional[List[str]] = None
+    cwd: Optional[str] = None
+    env: Optional[Dict[str, str]] = None
+    pty: Optional[PtySize] = None
+
+
+class ProcessForeground(WireModel):
+    """A PTY's foreground command (the job the terminal's keystrokes go to)."""
+
+    pid: int
+    cmd: str = ""
+    args: List[str] = Field(default_factory=list)
+
+
+class OutputWindow(WireModel):
+    """The retained output: frames ``oldest_seq..newest_seq`` (both 0 before any output), ``bytes`` of data."""
+
+    oldest_seq: int = 0
+    newest_seq: int = 0
+    bytes: int = 0
+
+
+class ManagedProcess(WireModel):
+    process_id: str
+    kind: ProcessKind
+    pid: int
+    state: ProcessState
+    leader_exited: bool = False
+    tree_exited: bool = False
+    created_at: Optional[str] = None
+    finished_at: Optional[str] = None
+    exit_code: Optional[int] = None
+    signal: Optional[str] = None  # the signal's name (e.g. "SIGKILL") when the leader was killed by one
+    cmd: str = ""
+    args: List[str] = Field(default_factory=list)
+    cwd: str = ""
+    foreground: Optional[ProcessForeground] = None
+    output: OutputWindow = Field(default_factory=OutputWindow)
+
+
+class ProcessList(WireModel):
+    processes: List[ManagedProcess] = Field(default_factory=list)
+
+
+class ProcessInput(WireModel):
+    data_base64: str
+
+
+class ProcessInputAck(WireModel):
+    input_seq: int
+
+
+class ProcessSignalRequest(WireModel):
+    signal: ProcessSignal
+
+
+class ProcessAck(WireModel):
+    ok: bool = True
+
+
+class ProcessFrame(WireModel):
+    """One NDJSON frame of ``GET .../processes/:pid/connect``.
+
+    ``data`` frames carry output (``data_base64``, ``seq`` counting from 1, ``stream``); the one ``exit`` frame
+    ends a process's output (``exit_code``, ``signal``; ``seq`` = the last data frame's); ``error`` frames carry
+    ``error``; ``heartbeat`` frames keep an idle stream alive. ``oldest_available_seq`` is set on the first frame
+    after a gap: the frames between the requested ``after`` and it are no longer retained."""
+
+    type: ProcessFrameType
+    seq: Optional[int] = None
+    stream: Optional[ProcessOutputStream] = None
+    data_base64: Optional[str] = None
+    exit_code: Optional[int] = None
+    signal: Optional[str] = None
+    error: Optional[str] = None
+    oldest_available_seq: Optional[int] = None
+
+    @property
+    def data(self) -> bytes:
+        return base64.b64decode(self.data_base64, validate=True) if self.data_base64 else b""
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -24,6 +24,11 @@ class AgentUnavailable(Exception):
     """The agent's socket does not answer (the sandbox is gone or not started yet)."""
 
 
+async def lines(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    while line := await reader.readline():
+        yield line
+
+
 class AgentClient:
     def __init__(self, socket_dir: Path) -> None:
         self.socket_dir = socket_dir
@@ -77,14 +82,30 @@ class AgentClient:
         async with self.connection(request) as (reader, _):
             return await self._reply(reader)
 
-    async def exec(self, cmd: str, args: list[str], env: dict[str, str]) -> AsyncIterator[dict]:
+    async def exec(self, cmd: str, args: list[str], env: dict[str, str],
+                   stdin: str = "") -> AsyncIterator[dict]:
         """Yield the command's CreateOS exec frames; closing the generator kills the command."""
-        async with self.connection({"op": "exec", "cmd": cmd, "args": args, "env": env}) as (reader, _):
+        request = {"op": "exec", "cmd": cmd, "args": args, "env": env, "stdin": stdin}
+        async with self.connection(request) as (reader, _):
             while True:
                 line = await reader.readline()
                 if not line:
                     return
                 yield json.loads(line)
+
+    async def process_call(self, op: str, **fields: object) -> dict:
+        """One managed-process op (create, list, get, kill, wait, input, stdin_close, resize,
+        signal): the agent's answer, or AgentError (code not_found, invalid or conflict)."""
+        async with self.connection({"op": "process_" + op, **fields}) as (reader, _):
+            return await self._reply(reader)
+
+    @contextlib.asynccontextmanager
+    async def process_connect(self, process_id: str, after: int) -> AsyncIterator[AsyncIterator[bytes]]:
+        """The process's connect frames, one JSON line each, as the agent sends them; AgentError
+        before any frame if there is no such process. Leaving the block disconnects."""
+        async with self.connection({"op": "process_connect", "id": process_id, "after": after}) as (reader, _):
+            await self._reply(reader)
+            yield lines(reader)
 
     async def write_file(self, path: str, data: bytes) -> int:
         async with self.connection({"op": "write", "path": path, "size": len(data)}, data) as (reader, _):

@@ -640,13 +640,15 @@ class Engine:
 
     # -- work inside a sandbox --------------------------------------------------------
 
-    async def exec(self, sandbox_id: str, cmd: str, args: list[str]) -> AsyncIterator[dict]:
-        """Yield CreateOS exec frames; closing the iterator early kills the command."""
+    async def exec(self, sandbox_id: str, cmd: str, args: list[str], stdin: str = "",
+                   env: dict[str, str] | None = None) -> AsyncIterator[dict]:
+        """Yield CreateOS exec frames; closing the iterator early kills the command. `stdin`
+        is its whole standard input; `env` is added to the sandbox's envs (and wins)."""
         sandbox = self.running(sandbox_id)
         sandbox.active_execs += 1  # a running command is activity for its whole duration
         sandbox.touch()
         try:
-            async for frame in sandbox.agent.exec(cmd, args, sandbox.envs):
+            async for frame in sandbox.agent.exec(cmd, args, {**sandbox.envs, **(env or {})}, stdin):
                 yield frame
         except AgentUnavailable:
             yield {"error": "sandbox agent is not reachable"}

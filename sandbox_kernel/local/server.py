@@ -36,9 +36,19 @@ from ..api.models import (
     FileUploadResponse,
     ForkSandboxRequest,
     Health,
+    ManagedProcess,
     PatchSandboxRequest,
+    ProcessAck,
+    ProcessInput,
+    ProcessInputAck,
+    ProcessList,
+    ProcessSignalRequest,
+    PtySize,
+    CreateProcessRequest,
     Readiness,
+    WaitScope,
 )
+from . import processes
 from .agent_client import AgentUnavailable
 from .engine import ROOTFS, SHAPES, Engine, EngineError, LocalSandbox, rfc3339
 
@@ -48,6 +58,7 @@ PUBLIC_ROUTES = {"/healthz", "/readyz", "/v1/shapes", "/v1/rootfs"}
 HEARTBEAT_SECONDS = 5.0
 MAX_PAGE = 500
 DEFAULT_PAGE = 50
+MAX_WAIT_MS = 3_600_000  # the longest kill grace the engine accepts (an hour)
 
 
 def jsend(data: Any, status: int = 200) -> JSONResponse:
@@ -201,7 +212,7 @@ def create_app(engine: Engine, token: str) -> FastAPI:
         result = ExecResult(exit_code=-1)
         stdout: list[str] = []  # joined once at the end: appending to a str is quadratic
         stderr: list[str] = []
-        async for frame in engine.exec(sandbox_id, body.cmd, body.args):
+        async for frame in engine.exec(sandbox_id, body.cmd, body.args, body.stdin or "", body.env):
             stdout.append(frame.get("stdout", ""))
             stderr.append(frame.get("stderr", ""))
             if "error" in frame:
@@ -210,6 +221,64 @@ def create_app(engine: Engine, token: str) -> FastAPI:
                 result.exit_code = frame["exit_code"]
         result.stdout, result.stderr = "".join(stdout), "".join(stderr)
         return jsend(ExecResponse(result=result, exec_ms=(time.monotonic() - started) * 1000))
+
+    # -- managed processes (processes.py) ----------------------------------------------
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes")
+    async def create_process(sandbox_id: str, body: CreateProcessRequest) -> JSONResponse:
+        request = body.model_dump(exclude_none=True)
+        if body.pty is not None:
+            request["pty"] = body.pty.model_dump(exclude_none=True)
+        request["env"] = {**engine.get(sandbox_id).envs, **(body.env or {})}
+        return jsend(ManagedProcess(**await processes.call(engine, sandbox_id, "create", **request)))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes")
+    async def list_processes(sandbox_id: str) -> JSONResponse:
+        return jsend(ProcessList(**await processes.call(engine, sandbox_id, "list")))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}")
+    async def get_process(sandbox_id: str, process_id: str) -> JSONResponse:
+        return jsend(ManagedProcess(**await processes.call(engine, sandbox_id, "get", id=process_id)))
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/processes/{process_id}")
+    async def kill_process(sandbox_id: str, process_id: str,
+                           grace_ms: int = Query(0, ge=0, le=MAX_WAIT_MS)) -> JSONResponse:
+        reply = await processes.call(engine, sandbox_id, "kill", id=process_id, grace_ms=grace_ms)
+        return jsend(ManagedProcess(**reply))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}/connect")
+    async def connect_process(sandbox_id: str, process_id: str,
+                              after: int = Query(0, ge=0)) -> StreamingResponse:
+        frames = await processes.connect(engine, sandbox_id, process_id, after)
+        return StreamingResponse(frames, media_type="application/x-ndjson")
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/input")
+    async def process_input(sandbox_id: str, process_id: str, body: ProcessInput) -> JSONResponse:
+        reply = await processes.call(engine, sandbox_id, "input", id=process_id,
+                                     data_base64=body.data_base64)
+        return jsend(ProcessInputAck(**reply))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/stdin/close")
+    async def close_process_stdin(sandbox_id: str, process_id: str) -> JSONResponse:
+        await processes.call(engine, sandbox_id, "stdin_close", id=process_id)
+        return jsend(ProcessAck())
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/resize")
+    async def resize_process(sandbox_id: str, process_id: str, body: PtySize) -> JSONResponse:
+        await processes.call(engine, sandbox_id, "resize", id=process_id, rows=body.rows, cols=body.cols)
+        return jsend(ProcessAck())
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/signal")
+    async def signal_process(sandbox_id: str, process_id: str, body: ProcessSignalRequest) -> JSONResponse:
+        await processes.call(engine, sandbox_id, "signal", id=process_id, signal=body.signal.value)
+        return jsend(ProcessAck())
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}/wait")
+    async def wait_process(sandbox_id: str, process_id: str, scope: WaitScope = WaitScope.LEADER,
+                           timeout_ms: int | None = Query(None, ge=0)) -> JSONResponse:
+        reply = await processes.call(engine, sandbox_id, "wait", id=process_id, scope=scope.value,
+                                     timeout_ms=timeout_ms)
+        return jsend(ManagedProcess(**reply))
 
     # -- files ---------------------------------------------------------------------------
 
@@ -253,7 +322,7 @@ async def exec_stream(engine: Engine, sandbox_id: str, body: ExecRequest) -> Asy
 
     async def pump() -> None:
         try:
-            async for frame in engine.exec(sandbox_id, body.cmd, body.args):
+            async for frame in engine.exec(sandbox_id, body.cmd, body.args, body.stdin or "", body.env):
                 await frames.put(frame)
         finally:
             await frames.put(None)

@@ -8,12 +8,13 @@ never the host's. Stdlib only: it runs on the sandbox's Python, not the engine's
 
 Protocol (unix socket, one request per connection): the engine sends one JSON line,
     {"op": "ping"}
-    {"op": "exec", "cmd": str, "args": [str], "env": {str: str}}
+    {"op": "exec", "cmd": str, "args": [str], "env": {str: str}, "stdin": str}
     {"op": "write", "path": "/abs", "size": N}   followed by N raw bytes
     {"op": "read", "path": "/abs"}
     {"op": "fork", "hostname": str, "disk_mib": N, "env": {str: str}}
     {"op": "egress_listen"}
     {"op": "egress_attach", "stream": N}
+    {"op": "process_<create|list|get|kill|wait|input|stdin_close|resize|signal|connect>", ...}
 and gets back JSON lines. exec answers with CreateOS exec frames, one per line
 ({"stdout": s} / {"stderr": s} / {"error": s} / {"exit_code": n}); write answers
 {"ok": true, "bytes": N}; read answers {"ok": true, "size": N} then N raw bytes;
@@ -28,7 +29,10 @@ each connection made to it is announced as {"stream": N} on the engine's
 the agent splices to it. The engine's egress proxy, outside the sandbox, speaks HTTP
 CONNECT / SOCKS5 with the client and enforces the rules. Nothing in the sandbox can
 reach the host otherwise, nor change the rules, which live in the engine.
-Failures are {"ok": false, "code": "not_found" | "invalid" | "failed", "error": msg}.
+Managed processes (processes.py): create/get/kill/wait answer {"ok": true, <process>},
+list {"ok": true, "processes": [...]}, input {"ok": true, "input_seq": N}, the others
+{"ok": true}; connect answers {"ok": true} then CreateOS connect frames until `exit`.
+Failures are {"ok": false, "code": "not_found" | "invalid" | "conflict" | "failed", "error": msg}.
 Closing the connection before an exec finishes kills that command's process group,
 as CreateOS does when a client abandons an exec.
 """
@@ -47,6 +51,8 @@ import sys
 import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script dir out
+
+from processes import ProcessError, ProcessTable  # noqa: E402 - needs the path above
 
 CHUNK = 64 * 1024
 MAX_HEADER = 1 << 20
@@ -78,6 +84,7 @@ class Agent:
         self.egress_listener: asyncio.StreamWriter | None = None  # the engine's egress_listen
         self.pending: dict = {}  # stream number -> future of the engine's attach connection
         self.streams = 0
+        self.processes = ProcessTable(workdir)  # managed processes (processes.py)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         handed_over = False  # an egress stream now belongs to its splice
@@ -99,6 +106,8 @@ class Agent:
                 await self.egress_listen(reader, writer)
             elif op == "egress_attach":
                 handed_over = self.egress_attach(request, reader, writer)
+            elif isinstance(op, str) and op.startswith("process_"):
+                await self.process_op(op, request, reader, writer)
             else:
                 writer.write(failure("invalid", "unknown op %r" % (op,)))
             await writer.drain()
@@ -120,9 +129,10 @@ class Agent:
             return
         env = dict(os.environ)
         env.update(request.get("env") or {})
+        stdin = (request.get("stdin") or "").encode()
         try:
             proc = await asyncio.create_subprocess_exec(
-                cmd, *args, stdin=asyncio.subprocess.DEVNULL,
+                cmd, *args, stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 cwd=self.workdir, env=env, start_new_session=True, limit=CHUNK,
                 preexec_fn=oom_killer_goes_here_first)
@@ -132,6 +142,8 @@ class Agent:
             return
         relays = [asyncio.ensure_future(self.relay(proc.stdout, "stdout", writer)),
                   asyncio.ensure_future(self.relay(proc.stderr, "stderr", writer))]
+        if stdin:  # fed alongside the relays: a command may answer before it read it all
+            relays.append(asyncio.ensure_future(feed_stdin(proc.stdin, stdin)))
         hangup = asyncio.ensure_future(reader.read())  # EOF here = the engine went away
         finished = asyncio.ensure_future(asyncio.gather(*relays, proc.wait()))
         await asyncio.wait([finished, hangup], return_when=asyncio.FIRST_COMPLETED)
@@ -243,6 +255,59 @@ class Agent:
             os._exit(1)
 
 
+    async def process_op(self, op: str, request: dict, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        """The managed-process ops (see processes.py); all but connect answer one line."""
+        table = self.processes
+        pid = request.get("id")
+        try:
+            if op == "process_create":
+                reply = table.create(request, oom_killer_goes_here_first).describe()
+            elif op == "process_list":
+                reply = {"processes": [p.describe() for p in table.processes.values()]}
+            elif op == "process_get":
+                reply = table.get(pid).describe()
+            elif op == "process_kill":
+                reply = (await table.kill(pid, int(request.get("grace_ms") or 0))).describe()
+            elif op == "process_wait":
+                reply = (await table.wait(table.get(pid), request.get("scope") or "leader",
+                                          request.get("timeout_ms"))).describe()
+            elif op == "process_input":
+                reply = {"input_seq": await table.write_input(pid, request.get("data_base64"))}
+            elif op == "process_stdin_close":
+                await table.close_stdin(pid)
+                reply = {}
+            elif op == "process_resize":
+                table.resize(pid, request.get("rows"), request.get("cols"))
+                reply = {}
+            elif op == "process_signal":
+                table.send_signal(pid, request.get("signal"))
+                reply = {}
+            elif op == "process_connect":
+                await self.process_connect(table.get(pid), int(request.get("after") or 0),
+                                           reader, writer)
+                return
+            else:
+                raise ProcessError("invalid", "unknown op %r" % (op,))
+        except ProcessError as exc:
+            writer.write(failure(exc.code, str(exc)))
+            return
+        writer.write(frame({"ok": True, **reply}))
+
+    async def process_connect(self, process, after: int, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+        """{"ok": true} then the process's frames until exit, or until the engine hangs up."""
+        async def send(obj: dict) -> None:
+            writer.write(frame(obj))
+            await writer.drain()
+
+        await send({"ok": True})
+        streaming = asyncio.ensure_future(self.processes.stream(process, after, send))
+        hangup = asyncio.ensure_future(reader.read())  # EOF here = the engine went away
+        await asyncio.wait([streaming, hangup], return_when=asyncio.FIRST_COMPLETED)
+        for task in (streaming, hangup):
+            task.cancel()
+
     async def egress_listen(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Hold the engine's announcement channel open until the engine goes away."""
         self.egress_listener = writer
@@ -302,6 +367,16 @@ async def splice(reader_a: asyncio.StreamReader, writer_a: asyncio.StreamWriter,
     await asyncio.gather(pump(reader_a, writer_b), pump(reader_b, writer_a))
     for writer in (writer_a, writer_b):
         writer.close()
+
+
+async def feed_stdin(pipe: asyncio.StreamWriter, data: bytes) -> None:
+    """An exec's `stdin`: write it all, then close (EOF); a command that stops reading early is fine."""
+    try:
+        pipe.write(data)
+        await pipe.drain()
+        pipe.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
 
 
 def read_to_end(fd: int) -> str:

@@ -1,0 +1,128 @@
+"""Managed processes (CreateOS §15.3) on the local engine: a thin proxy to the sandbox's agent.
+
+The process table and each process's retained output live in the agent, inside the
+sandbox (guest/processes.py holds the details): they survive an engine restart and the
+memory they take is the sandbox's. This module adds only what must happen outside:
+HTTP status mapping, heartbeats on idle streams and the end of a stream whose sandbox
+went away. Semantics a client (the kernel) can rely on:
+
+- create: pipes, or a PTY with `pty: {rows, cols}` (24x80 by default; without `cmd`, a
+  shell). Per-process `env` is added to the sandbox's envs and wins; `cwd` defaults to
+  /workspace. A command that cannot start answers 400.
+- Output frames are numbered from 1 per process; each process retains its newest
+  1 MiB of output (guest/processes.py WINDOW_BYTES; each chunk is also charged 128 bytes,
+  so tiny chunks cannot outgrow it). `connect?after=N` replays retained frames with
+  seq > N, then follows live output, then sends `exit` (seq = last data seq) and ends.
+  The first frame after a gap (after=N older than the window, or a reader slower than
+  the process) carries `oldest_available_seq`. Heartbeats (`{"type": "heartbeat"}`)
+  every 5 s of silence, also while the sandbox is paused. A stream whose sandbox ends
+  first gets one `error` frame and ends.
+- Disconnecting never affects the process. Several connects may follow one process.
+- input: bytes to stdin (PTY: keystrokes), serialized, answered `{input_seq}` (1, 2, ...)
+  once written to the pipe; 409 after the leader exited or stdin was closed.
+- kill (`grace_ms`): SIGTERM to the tree (the leader's session), SIGKILL after the grace
+  (at once without); answered once the tree is gone. signal: to the leader's process
+  group (PTY: to the terminal's foreground job). wait: `scope=leader|tree`, `timeout_ms`
+  (answers the process as it is when the time runs out).
+- list: live and exited processes; at most 32 per sandbox (the oldest exited ones make
+  room; 409 when all 32 still run), so the sandbox holds at most ~33 MiB of output.
+- Every request needs the sandbox running (409 otherwise: a paused agent cannot answer).
+  Pause freezes the processes with the sandbox; open streams stay open (heartbeats) and
+  carry on at resume. Destroy ends them. A fork starts with an empty table: the source's
+  processes stay in the source; a fork-aware process (the runner) follows the fork as it
+  does for any process, keeping the descriptors it had, so it must reopen its stdio there.
+- Activity for auto-pause: every request but connect, get, list and wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+from .agent_client import AgentError, AgentUnavailable
+from .engine import Conflict, Engine, EngineError, InvalidRequest, LocalSandbox, NotFound
+
+HEARTBEAT_SECONDS = 5.0
+HEARTBEAT = b'{"type":"heartbeat"}\n'
+FRAMES_IN_FLIGHT = 8  # frames read from the agent ahead of a slow HTTP client (~90 KiB each)
+PASSIVE = frozenset({"get", "list", "wait", "connect"})  # not activity for auto-pause
+ERRORS: dict[str, type[EngineError]] = {"not_found": NotFound, "invalid": InvalidRequest, "conflict": Conflict}
+
+
+class ProcessFailed(EngineError):
+    status = 500
+
+
+def _sandbox(engine: Engine, sandbox_id: str, op: str) -> LocalSandbox:
+    """The sandbox, which must be running: a paused one's agent is frozen and cannot answer."""
+    sandbox = engine.running(sandbox_id)
+    if op not in PASSIVE:
+        sandbox.touch()
+    return sandbox
+
+
+def _engine_error(exc: AgentError) -> EngineError:
+    return ERRORS.get(exc.code, ProcessFailed)(str(exc), code="process_" + exc.code)
+
+
+async def call(engine: Engine, sandbox_id: str, op: str, **fields: object) -> dict:
+    """Run one managed-process op in the sandbox's agent; its answer without the `ok`."""
+    sandbox = _sandbox(engine, sandbox_id, op)
+    try:
+        reply = await sandbox.agent.process_call(op, **fields)
+    except AgentError as exc:
+        raise _engine_error(exc) from None
+    reply.pop("ok", None)
+    return reply
+
+
+async def connect(engine: Engine, sandbox_id: str, process_id: str, after: int) -> AsyncIterator[bytes]:
+    """The NDJSON lines of `connect?after=N`. Raises NotFound (etc.) before the first line,
+    so the route can still answer an HTTP error; the stream is opened here."""
+    sandbox = _sandbox(engine, sandbox_id, "connect")
+    opened = contextlib.AsyncExitStack()
+    try:
+        frames = await opened.enter_async_context(sandbox.agent.process_connect(process_id, after))
+    except AgentError as exc:
+        await opened.aclose()
+        raise _engine_error(exc) from None
+    return _relay(frames, opened)
+
+
+async def _relay(frames: AsyncIterator[bytes], opened: contextlib.AsyncExitStack) -> AsyncIterator[bytes]:
+    """Pass the agent's frames on, with heartbeats in silences and an error frame if the
+    sandbox ends before the process does. At most FRAMES_IN_FLIGHT wait for the client."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue(FRAMES_IN_FLIGHT)
+
+    async def pump() -> None:
+        try:
+            async for line in frames:
+                await queue.put(line)
+        except (AgentUnavailable, ConnectionError):
+            pass
+        finally:
+            await queue.put(None)
+
+    task = asyncio.get_running_loop().create_task(pump())
+    ended = False
+    try:
+        while True:
+            try:
+                line = await asyncio.wait_for(queue.get(), HEARTBEAT_SECONDS)
+            except asyncio.TimeoutError:
+                yield HEARTBEAT
+                continue
+            if line is None:
+                break
+            ended = json.loads(line).get("type") == "exit"
+            yield line
+        if not ended:
+            yield (json.dumps({"type": "error", "error": "the sandbox ended before the process did"})
+                   + "\n").encode()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await opened.aclose()
