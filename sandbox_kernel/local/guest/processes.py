@@ -124,9 +124,10 @@ class ManagedProcess:
 
     # -- events -----------------------------------------------------------------------
 
-    def changed(self) -> asyncio.Future:
-        """Resolves at the next change (output, exit, tree exit)."""
-        return self._changed
+    async def next_change(self) -> None:
+        """Return at the next change (output, exit, tree exit). Shielded: one waiter's
+        cancellation must not cancel the future all the others share."""
+        await asyncio.shield(self._changed)
 
     def notify(self) -> None:
         self._changed.set_result(None)
@@ -296,11 +297,12 @@ class ProcessTable:
             process.signal = signal_name(info.si_status)
         if process.state != "terminating":
             process.state = "exited"
-        process.notify()
-        delay = TREE_POLL_MIN
-        while tree_members(process.pid):
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, TREE_POLL_MAX)
+        if tree_members(process.pid):  # else leader and tree end in one change
+            process.notify()
+            delay = TREE_POLL_MIN
+            while tree_members(process.pid):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, TREE_POLL_MAX)
         os.waitpid(process.pid, 0)  # the zombie leader goes: its tree is empty
         process.popen.returncode = process.exit_code  # reaped here, so Popen must never wait for it
         process.tree_exited = True
@@ -357,7 +359,8 @@ class ProcessTable:
         group = process.pid
         if process.master_fd is not None:
             try:
-                group = os.tcgetpgrp(process.master_fd)
+                # 0 = no foreground job; killpg(0) would signal the agent's own group.
+                group = os.tcgetpgrp(process.master_fd) or process.pid
             except OSError:
                 pass
         try:
@@ -386,7 +389,7 @@ class ProcessTable:
             if left is not None and left <= 0:
                 break
             try:
-                await asyncio.wait_for(asyncio.shield(process.changed()), left)
+                await asyncio.wait_for(process.next_change(), left)
             except asyncio.TimeoutError:
                 break
         return process
@@ -411,7 +414,7 @@ class ProcessTable:
             if process.finished:
                 await send(process.exit_frame())
                 return
-            await process.changed()
+            await process.next_change()
 
 
 def release_fds(process: ManagedProcess) -> None:
