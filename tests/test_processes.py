@@ -77,7 +77,7 @@ def test_pipe_process_input_output_and_replay(sandbox: SandboxInstance) -> None:
     assert started.state == ManagedProcessState.RUNNING and started.kind == "process" and started.pid > 0
     assert procs.input(started.process_id, "one\n") == 1
     with procs.connect(started.process_id) as stream:
-        data, frames = read_until(stream, b"got one")
+        data, frames = read_until(stream, b"got one\n")
     assert data == b"got one\n" and frames[0].sequence == 1 and frames[0].stream == "stdout"
     # Disconnected: the process lives on, and what it says meanwhile is kept.
     assert procs.input(started.process_id, "two\n") == 2

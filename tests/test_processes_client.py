@@ -56,11 +56,11 @@ async def test_channel_calls(client: SandboxClient, sandbox_id: str) -> None:
     pid = process.process_id
     assert await client.process_input(sandbox_id, pid, b"a\n") == 1
     async with client.connect_process(sandbox_id, pid) as stream:
-        data, seen = await frames_until(stream, b"ok a")
+        data, seen = await frames_until(stream, b"ok a\n")
     assert data == b"ok a\n"
     assert await client.process_input(sandbox_id, pid, b"b\n") == 2
     async with client.connect_process(sandbox_id, pid, after=seen[-1].seq or 0) as stream:
-        data, _ = await frames_until(stream, b"ok b")
+        data, _ = await frames_until(stream, b"ok b\n")
     assert data == b"ok b\n"  # nothing replayed twice
     assert [p.process_id for p in await client.list_processes(sandbox_id)] == [pid]
     await client.close_process_stdin(sandbox_id, pid)

@@ -177,6 +177,15 @@ class ProcessStream(_FrameStream[ProcessFrame]):
     kind = "a process"
 
 
+def _exec_body(
+    cmd: str, args: Sequence[str] | None, stdin: str | None, env: Mapping[str, str] | None, stream: bool = False
+) -> dict[str, Any]:
+    """An exec request as sent: empty stdin, env and args left out, as the SDKs do."""
+    request = ExecRequest(cmd=cmd, args=list(args or []), stdin=stdin or None, env=dict(env or {}) or None,
+                          stream=stream or None)
+    return request.to_wire()
+
+
 def _validation_summary(exc: pydantic.ValidationError) -> str:
     """Field locations and messages only (never the input values)."""
     parts = []
@@ -503,8 +512,8 @@ class SandboxClient:
         """Buffered exec (no shell: use ``cmd="bash", args=["-lc", script]``). ``stdin`` is the command's whole
         standard input; ``env`` is added to the sandbox's envs for this command. Retried only on 429/503."""
         path = self._sb(sandbox_id) + "/exec"
-        body = ExecRequest(cmd=cmd, args=list(args or []), stdin=stdin or None, env=dict(env or {}) or None)
-        data = await self._call("POST", path, json_body=body.to_wire(), timeout=timeout)
+        body = _exec_body(cmd, args, stdin, env)
+        data = await self._call("POST", path, json_body=body, timeout=timeout)
         return self._decode(ExecResponse, data, "POST", path)
 
     @asynccontextmanager
@@ -524,9 +533,8 @@ class SandboxClient:
         answer raises the typed error on entry. Never retried. ``timeout`` bounds each idle gap (heartbeats keep a
         healthy stream alive)."""
         path = self._sb(sandbox_id) + "/exec"
-        body = ExecRequest(cmd=cmd, args=list(args or []), stdin=stdin or None, env=dict(env or {}) or None,
-                           stream=True)
-        async with self._stream("POST", path, {"stream": "true"}, body.to_wire(), timeout) as response:
+        body = _exec_body(cmd, args, stdin, env, stream=True)
+        async with self._stream("POST", path, {"stream": "true"}, body, timeout) as response:
             yield ExecStream(response, method="POST", path=self._prefix + path, secrets=self._secrets)
 
     @asynccontextmanager
