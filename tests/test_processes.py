@@ -266,3 +266,36 @@ def test_fork_starts_with_an_empty_table(vendor: Client) -> None:
             child.destroy()
     finally:
         box.destroy()
+
+
+def test_large_input_and_exec_stdin(sandbox: SandboxInstance) -> None:
+    """Both travel to the agent as raw bytes, not inside its 1 MiB request line."""
+    procs = sandbox.processes
+    started = procs.create(ManagedProcessCreateRequest(command="wc", arguments=["-c"]))
+    procs.input_bytes(started.process_id, b"\0\xff" * (3 << 20))
+    procs.close_standard_input(started.process_id)
+    with procs.connect(started.process_id) as stream:
+        assert b"".join(e.data for e in stream).strip() == str(6 << 20).encode()
+    result = sandbox.run_command(RunCommandRequest(command="wc", arguments=["-c"]),
+                                 ExecOptions(standard_input="z" * (3 << 20))).result
+    assert result.standard_output.strip() == str(3 << 20)
+
+
+def test_table_bounds(vendor: Client) -> None:
+    box = vendor.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-512mb"))
+    try:
+        procs = box.processes
+        with pytest.raises(APIError) as too_long:
+            procs.create(ManagedProcessCreateRequest(command="echo", arguments=["x" * 70_000]))
+        assert too_long.value.status_code == 400
+        sleepers = [procs.create(ManagedProcessCreateRequest(command="sleep", arguments=["300"]))
+                    for _ in range(32)]
+        with pytest.raises(APIError) as full:
+            procs.create(ManagedProcessCreateRequest(command="true"))
+        assert full.value.status_code == 409
+        procs.delete(sleepers[0].process_id)  # an exited process makes room
+        procs.create(ManagedProcessCreateRequest(command="true"))
+        listed = [p.process_id for p in procs.list()]
+        assert len(listed) == 32 and sleepers[0].process_id not in listed
+    finally:
+        box.destroy()

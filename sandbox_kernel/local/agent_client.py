@@ -10,6 +10,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 CHUNK = 64 * 1024
+# The longest answer line of a managed-process op: a list of 32 processes whose command
+# lines may each take up to 64 KiB (guest/processes.py MAX_COMMAND_LINE).
+MAX_PROCESS_REPLY = 4 << 20
 
 
 class AgentError(Exception):
@@ -34,13 +37,14 @@ class AgentClient:
         self.socket_dir = socket_dir
 
     @contextlib.asynccontextmanager
-    async def _connect(self) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    async def _connect(self, limit: int = 4 * CHUNK
+                       ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
         # Connect through /proc/self/fd so a deep state dir cannot push the socket path
         # past the 108-byte sun_path limit.
         dir_fd = os.open(self.socket_dir, os.O_PATH)
         try:
             reader, writer = await asyncio.open_unix_connection(
-                f"/proc/self/fd/{dir_fd}/agent.sock", limit=4 * CHUNK)
+                f"/proc/self/fd/{dir_fd}/agent.sock", limit=limit)
         except OSError as exc:
             raise AgentUnavailable(str(exc)) from None
         finally:
@@ -53,10 +57,11 @@ class AgentClient:
                 await writer.wait_closed()
 
     @contextlib.asynccontextmanager
-    async def connection(self, request: dict, body: bytes = b""
+    async def connection(self, request: dict, body: bytes = b"", limit: int = 4 * CHUNK
                          ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-        """A connection on which `request` (and `body`) has been sent."""
-        async with self._connect() as (reader, writer):
+        """A connection on which `request` (and `body`) has been sent; `limit` bounds an
+        answer's line."""
+        async with self._connect(limit) as (reader, writer):
             writer.write(json.dumps(request).encode() + b"\n" + body)
             await writer.drain()
             yield reader, writer
@@ -85,18 +90,21 @@ class AgentClient:
     async def exec(self, cmd: str, args: list[str], env: dict[str, str],
                    stdin: str = "") -> AsyncIterator[dict]:
         """Yield the command's CreateOS exec frames; closing the generator kills the command."""
-        request = {"op": "exec", "cmd": cmd, "args": args, "env": env, "stdin": stdin}
-        async with self.connection(request) as (reader, _):
+        data = stdin.encode()
+        request = {"op": "exec", "cmd": cmd, "args": args, "env": env, "stdin_size": len(data)}
+        async with self.connection(request, data) as (reader, _):
             while True:
                 line = await reader.readline()
                 if not line:
                     return
                 yield json.loads(line)
 
-    async def process_call(self, op: str, **fields: object) -> dict:
+    async def process_call(self, op: str, body: bytes = b"", **fields: object) -> dict:
         """One managed-process op (create, list, get, kill, wait, input, stdin_close, resize,
-        signal): the agent's answer, or AgentError (code not_found, invalid or conflict)."""
-        async with self.connection({"op": "process_" + op, **fields}) as (reader, _):
+        signal): the agent's answer, or AgentError (code not_found, invalid or conflict).
+        `body` (input's data) follows the request line raw, its size in the line."""
+        request = {"op": "process_" + op, **fields, **({"size": len(body)} if body else {})}
+        async with self.connection(request, body, limit=MAX_PROCESS_REPLY) as (reader, _):
             return await self._reply(reader)
 
     @contextlib.asynccontextmanager

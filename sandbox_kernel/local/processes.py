@@ -67,11 +67,11 @@ def _engine_error(exc: AgentError) -> EngineError:
     return ERRORS.get(exc.code, ProcessFailed)(str(exc), code="process_" + exc.code)
 
 
-async def call(engine: Engine, sandbox_id: str, op: str, **fields: object) -> dict:
+async def call(engine: Engine, sandbox_id: str, op: str, body: bytes = b"", **fields: object) -> dict:
     """Run one managed-process op in the sandbox's agent; its answer without the `ok`."""
     sandbox = _sandbox(engine, sandbox_id, op)
     try:
-        reply = await sandbox.agent.process_call(op, **fields)
+        reply = await sandbox.agent.process_call(op, body, **fields)
     except AgentError as exc:
         raise _engine_error(exc) from None
     reply.pop("ok", None)

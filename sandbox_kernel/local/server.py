@@ -8,6 +8,7 @@ heartbeat every 5 s, and the `X-Api-Key` header on every route except the public
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import json
@@ -254,8 +255,11 @@ def create_app(engine: Engine, token: str) -> FastAPI:
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/input")
     async def process_input(sandbox_id: str, process_id: str, body: ProcessInput) -> JSONResponse:
-        reply = await processes.call(engine, sandbox_id, "input", id=process_id,
-                                     data_base64=body.data_base64)
+        try:
+            data = base64.b64decode(body.data_base64, validate=True)
+        except ValueError:
+            raise EngineError("data_base64 is not valid base64", code="invalid_base64") from None
+        reply = await processes.call(engine, sandbox_id, "input", body=data, id=process_id)
         return jsend(ProcessInputAck(**reply))
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/stdin/close")

@@ -8,7 +8,7 @@ never the host's. Stdlib only: it runs on the sandbox's Python, not the engine's
 
 Protocol (unix socket, one request per connection): the engine sends one JSON line,
     {"op": "ping"}
-    {"op": "exec", "cmd": str, "args": [str], "env": {str: str}, "stdin": str}
+    {"op": "exec", "cmd": str, "args": [str], "env": {str: str}, "stdin_size": N}  + N bytes
     {"op": "write", "path": "/abs", "size": N}   followed by N raw bytes
     {"op": "read", "path": "/abs"}
     {"op": "fork", "hostname": str, "disk_mib": N, "env": {str: str}}
@@ -49,6 +49,7 @@ import socket
 import stat
 import sys
 import threading
+from collections.abc import AsyncIterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script dir out
 
@@ -129,7 +130,7 @@ class Agent:
             return
         env = dict(os.environ)
         env.update(request.get("env") or {})
-        stdin = (request.get("stdin") or "").encode()
+        stdin = await reader.readexactly(int(request.get("stdin_size") or 0))
         try:
             proc = await asyncio.create_subprocess_exec(
                 cmd, *args, stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
@@ -272,8 +273,8 @@ class Agent:
             elif op == "process_wait":
                 reply = (await table.wait(table.get(pid), request.get("scope") or "leader",
                                           request.get("timeout_ms"))).describe()
-            elif op == "process_input":
-                reply = {"input_seq": await table.write_input(pid, request.get("data_base64"))}
+            elif op == "process_input":  # {"size": N} followed by N raw bytes
+                reply = {"input_seq": await table.write_input(pid, body_chunks(reader, request.get("size")))}
             elif op == "process_stdin_close":
                 await table.close_stdin(pid)
                 reply = {}
@@ -367,6 +368,17 @@ async def splice(reader_a: asyncio.StreamReader, writer_a: asyncio.StreamWriter,
     await asyncio.gather(pump(reader_a, writer_b), pump(reader_b, writer_a))
     for writer in (writer_a, writer_b):
         writer.close()
+
+
+async def body_chunks(reader: asyncio.StreamReader, size) -> AsyncIterator[bytes]:
+    """The `size` raw bytes that follow a request line, a chunk at a time."""
+    remaining = int(size or 0)
+    while remaining:
+        chunk = await reader.read(min(CHUNK, remaining))
+        if not chunk:
+            raise ConnectionError("request body ended early")
+        remaining -= len(chunk)
+        yield chunk
 
 
 async def feed_stdin(pipe: asyncio.StreamWriter, data: bytes) -> None:

@@ -46,6 +46,7 @@ import time
 WINDOW_BYTES = 1 << 20  # retained output per process
 CHUNK_OVERHEAD = 128  # bytes each retained chunk is charged beyond its data (deque slot, bytes object)
 MAX_PROCESSES = 32
+MAX_COMMAND_LINE = 64 * 1024  # cmd + args + cwd, in characters: every description repeats them
 READ_CHUNK = 64 * 1024
 REPLAY_BATCH = 64  # frames written before a subscriber looks at the window again
 TREE_POLL_MIN, TREE_POLL_MAX = 0.05, 1.0
@@ -185,6 +186,8 @@ class ProcessTable:
         pty_size = request.get("pty")
         if not isinstance(cmd, str) or not all(isinstance(a, str) for a in args):
             raise ProcessError("invalid", "cmd and args must be strings")
+        if len(cmd) + sum(map(len, args)) + len(cwd) > MAX_COMMAND_LINE:
+            raise ProcessError("invalid", "cmd, args and cwd together exceed %d characters" % MAX_COMMAND_LINE)
         if not cmd:
             if pty_size is None:
                 raise ProcessError("invalid", "cmd is required for a process without a pty")
@@ -312,12 +315,9 @@ class ProcessTable:
 
     # -- requests ---------------------------------------------------------------------
 
-    async def write_input(self, process_id, data_base64) -> int:
+    async def write_input(self, process_id, chunks) -> int:
+        """Write the async iterable `chunks` to the process's stdin, whole, before any later input."""
         process = self.get(process_id)
-        try:
-            data = base64.b64decode(data_base64 or "", validate=True)
-        except ValueError:
-            raise ProcessError("invalid", "data_base64 is not valid base64") from None
         async with process.input_lock:
             if process.leader_exited:
                 raise ProcessError("conflict", "process has exited")
@@ -326,7 +326,8 @@ class ProcessTable:
             process.input_seq += 1
             seq = process.input_seq
             try:
-                await write_all(process.stdin_fd, data)
+                async for chunk in chunks:
+                    await write_all(process.stdin_fd, chunk)
             except OSError as exc:
                 raise ProcessError("conflict", "stdin: %s" % (exc.strerror or exc)) from None
         return seq
