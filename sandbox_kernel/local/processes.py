@@ -31,7 +31,10 @@ went away. Semantics a client (the kernel) can rely on:
   carry on at resume. Destroy ends them. A fork starts with an empty table: the source's
   processes stay in the source; a fork-aware process (the runner) follows the fork as it
   does for any process, keeping the descriptors it had, so it must reopen its stdio there.
-- Activity for auto-pause: every request but connect, get, list and wait.
+- Activity for auto-pause: every request but connect, get, list and wait, and output
+  passing through a connect. An open connect alone is not (a kernel holds one for its
+  lifetime), nor is a process running silently.
+- State `failed` is never used: a command that cannot start answers 400 instead.
 """
 
 from __future__ import annotations
@@ -88,12 +91,14 @@ async def connect(engine: Engine, sandbox_id: str, process_id: str, after: int) 
     except AgentError as exc:
         await opened.aclose()
         raise _engine_error(exc) from None
-    return _relay(frames, opened)
+    return _relay(sandbox, frames, opened)
 
 
-async def _relay(frames: AsyncIterator[bytes], opened: contextlib.AsyncExitStack) -> AsyncIterator[bytes]:
+async def _relay(sandbox: LocalSandbox, frames: AsyncIterator[bytes],
+                 opened: contextlib.AsyncExitStack) -> AsyncIterator[bytes]:
     """Pass the agent's frames on, with heartbeats in silences and an error frame if the
-    sandbox ends before the process does. At most FRAMES_IN_FLIGHT wait for the client."""
+    sandbox ends before the process does. At most FRAMES_IN_FLIGHT wait for the client.
+    Output passing through is activity (auto-pause), the stream's mere existence is not."""
     queue: asyncio.Queue[bytes | None] = asyncio.Queue(FRAMES_IN_FLIGHT)
 
     async def pump() -> None:
@@ -116,7 +121,10 @@ async def _relay(frames: AsyncIterator[bytes], opened: contextlib.AsyncExitStack
                 continue
             if line is None:
                 break
-            ended = json.loads(line).get("type") == "exit"
+            kind = json.loads(line).get("type")
+            ended = kind == "exit"
+            if kind == "data":
+                sandbox.touch()
             yield line
         if not ended:
             yield (json.dumps({"type": "error", "error": "the sandbox ended before the process did"})

@@ -21,7 +21,7 @@ What a client can rely on:
   (the session id) cannot be reused meanwhile.
 - kill: SIGTERM to the tree, SIGKILL after grace_ms (at once without); answered once the
   tree is gone. signal: to the leader's process group (PTY: the terminal's foreground
-  job, as a key would). Input is serialized; `input_seq` counts writes from 1.
+  job, as a key would), also only in this mount namespace. Input is serialized; `input_seq` counts writes from 1.
 - At most MAX_PROCESSES in the table; the oldest exited ones are dropped to make room.
 - Pause freezes these processes with the agent; their windows and streams stay intact.
   A fork starts with an empty table (a fresh agent).
@@ -357,17 +357,14 @@ class ProcessTable:
             raise ProcessError("invalid", "signal must be one of " + " ".join(SIGNALS))
         if process.leader_exited:
             raise ProcessError("conflict", "process has exited")
-        group = process.pid
+        group = process.pid  # its process group, as killpg would, but never a fork's copies
         if process.master_fd is not None:
             try:
-                # 0 = no foreground job; killpg(0) would signal the agent's own group.
+                # 0 = no foreground job: then the leader's group.
                 group = os.tcgetpgrp(process.master_fd) or process.pid
             except OSError:
                 pass
-        try:
-            os.killpg(group, SIGNALS[name])
-        except ProcessLookupError:
-            pass
+        signal_each(processes_where(GROUP, group), SIGNALS[name])
 
     async def kill(self, process_id, grace_ms: int) -> ManagedProcess:
         process = self.get(process_id)
@@ -456,17 +453,22 @@ async def write_all(fd: int, data: bytes) -> None:
             loop.remove_writer(fd)
 
 
-def tree_members(session: int) -> list:
-    """Live processes of `session` in this mount namespace (a fork's copies are not ours)."""
+GROUP, SESSION = 2, 3  # fields of /proc/<pid>/stat after the command's name
+
+
+def processes_where(field: int, value: int) -> list:
+    """Live processes of this mount namespace whose stat `field` is `value`. A fork shares
+    the pid namespace, and its copies of our processes keep their group and session ids:
+    they are the fork's, not ours, so neither trees nor signals may reach them."""
     mine = os.readlink("/proc/self/ns/mnt")
     found = []
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == session:
+        if not name.isdigit():
             continue
         try:
             with open("/proc/%s/stat" % name) as source:
                 fields = source.read().rsplit(")", 1)[1].split()
-            if int(fields[3]) != session or fields[0] == "Z":
+            if int(fields[field]) != value or fields[0] == "Z":
                 continue
             if os.readlink("/proc/%s/ns/mnt" % name) != mine:
                 continue
@@ -476,9 +478,18 @@ def tree_members(session: int) -> list:
     return found
 
 
-def signal_tree(session: int, number: int) -> None:
-    for pid in [session, *tree_members(session)]:
+def tree_members(session: int) -> list:
+    """The live processes of the session (its leader too while it has not exited)."""
+    return processes_where(SESSION, session)
+
+
+def signal_each(pids: list, number: int) -> None:
+    for pid in pids:
         try:
             os.kill(pid, number)
         except ProcessLookupError:
             pass
+
+
+def signal_tree(session: int, number: int) -> None:
+    signal_each(tree_members(session), number)
