@@ -68,8 +68,9 @@ async def test_channel_calls(client: SandboxClient, sandbox_id: str) -> None:
     assert finished.tree_exited and finished.exit_code == 0
     with pytest.raises(ConflictError):
         await client.process_input(sandbox_id, pid, b"late\n")
-    with pytest.raises(NotFoundError):
+    with pytest.raises(NotFoundError) as missing:
         await client.get_process(sandbox_id, "proc-missing")
+    assert missing.value.code == "process_not_found"  # not a provider without the route
 
 
 async def test_signal_resize_kill(client: SandboxClient, sandbox_id: str) -> None:

@@ -34,6 +34,9 @@ went away. Semantics a client (the kernel) can rely on:
 - Activity for auto-pause: every request but connect, get, list and wait, and output
   passing through a connect. An open connect alone is not (a kernel holds one for its
   lifetime), nor is a process running silently.
+- Refusals carry JSend codes `process_not_found` (404), `process_invalid` (400) and
+  `process_conflict` (409), so a 404 for a missing process is told apart from a provider
+  without the route.
 - State `failed` is never used: a command that cannot start answers 400 instead.
 """
 
