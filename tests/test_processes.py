@@ -299,3 +299,19 @@ def test_table_bounds(vendor: Client) -> None:
         assert len(listed) == 32 and sleepers[0].process_id not in listed
     finally:
         box.destroy()
+
+
+def test_exit_frame_despite_an_escaped_pipe_holder(sandbox: SandboxInstance) -> None:
+    """A child that left the session keeps stdout open for ever: the exit frame still
+    comes once the tree is gone, and what the child writes later is still kept."""
+    procs = sandbox.processes
+    started = procs.create(ManagedProcessCreateRequest(
+        command="sh", arguments=["-c", "setsid sh -c 'sleep 1; echo late; sleep 300' & echo hi"]))
+    with procs.connect(started.process_id, ManagedProcessConnectOptions(timeout=20)) as stream:
+        events = list(stream)
+    assert b"".join(e.data for e in events).startswith(b"hi\n")
+    assert events[-1].type == "exit" and events[-1].exit_code == 0
+    deadline = time.monotonic() + 20
+    while procs.get(started.process_id).output.bytes < len(b"hi\nlate\n"):
+        assert time.monotonic() < deadline, "the escaped child's output was not kept"
+        time.sleep(0.1)

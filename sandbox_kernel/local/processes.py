@@ -13,6 +13,7 @@ went away. Semantics a client (the kernel) can rely on:
   1 MiB of output (guest/processes.py WINDOW_BYTES; each chunk is also charged 128 bytes,
   so tiny chunks cannot outgrow it). `connect?after=N` replays retained frames with
   seq > N, then follows live output, then sends `exit` (seq = last data seq) and ends.
+  `exit` falls due when the leader has exited and its output ended or its tree is gone.
   The first frame after a gap (after=N older than the window, or a reader slower than
   the process) carries `oldest_available_seq`. Heartbeats (`{"type": "heartbeat"}`)
   every 5 s of silence, also while the sandbox is paused. A stream whose sandbox ends

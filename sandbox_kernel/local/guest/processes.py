@@ -13,9 +13,10 @@ What a client can rely on:
   outgrow the bound). `connect after=N` replays the retained chunks with seq > N, then
   follows live ones; the first frame after a gap carries `oldest_available_seq`. A slow
   reader never slows the process: it skips ahead (with a gap) instead.
-- The `exit` frame comes once the leader has exited and its output is at EOF (a
-  background child still holding the pipes delays it, as with exec); its seq is the last
-  data frame's. Killed by signal N: exit_code 128+N and `signal` its name.
+- The `exit` frame comes once the leader has exited and its output is at EOF, or its
+  whole tree is gone (a process that left the tree may hold the pipes for ever: what it
+  writes later is still kept, after the exit frame). Its seq is the last data frame's
+  when sent. Killed by signal N: exit_code 128+N and `signal` its name.
 - The tree is the leader's session (in this sandbox's mount namespace): a process that
   calls setsid() leaves it. The leader stays a zombie until its tree is gone, so its pid
   (the session id) cannot be reused meanwhile.
@@ -136,8 +137,9 @@ class ManagedProcess:
 
     @property
     def finished(self) -> bool:
-        """Leader exited and output at EOF: the exit frame is due."""
-        return self.leader_exited and not self.open_outputs
+        """The exit frame is due: the leader exited, and its output is at EOF or its whole
+        tree is gone (a process that left the tree may keep the pipes open for ever)."""
+        return self.leader_exited and (not self.open_outputs or self.tree_exited)
 
     def describe(self) -> dict:
         return {"process_id": self.id, "kind": self.kind, "pid": self.pid, "state": self.state,
@@ -212,8 +214,8 @@ class ProcessTable:
         if len(self.processes) < MAX_PROCESSES:
             return
         for process in list(self.processes.values()):
-            if process.tree_exited and process.finished:
-                del self.processes[process.id]
+            if process.tree_exited:
+                self._discard(process)
                 return
         raise ProcessError("conflict", "too many managed processes (%d): kill some first" % MAX_PROCESSES)
 
@@ -258,25 +260,30 @@ class ProcessTable:
 
     # -- output and exit --------------------------------------------------------------
 
-    def _read_output(self, process: ManagedProcess, fd: int) -> None:
+    def _read_output(self, process: ManagedProcess, fd: int) -> bool:
+        """Read once from `fd`; False when nothing more is there now (or ever)."""
         try:
             data = os.read(fd, READ_CHUNK)
         except BlockingIOError:
-            return
+            return False
         except OSError:  # EIO: a pty whose last holder closed it
             data = b""
         if data:
             process.window.append(process.open_outputs[fd], data)
         else:
-            asyncio.get_running_loop().remove_reader(fd)
-            del process.open_outputs[fd]
-            if fd != process.master_fd:
-                os.close(fd)
-            release_fds(process)
+            self._close_output(process, fd)
         process.notify()
+        return bool(data)
 
     @staticmethod
-    def _await_leader(loop: asyncio.AbstractEventLoop, process: ManagedProcess) -> None:
+    def _close_output(process: ManagedProcess, fd: int) -> None:
+        asyncio.get_running_loop().remove_reader(fd)
+        del process.open_outputs[fd]
+        if fd != process.master_fd:
+            os.close(fd)
+        release_fds(process)
+
+    def _await_leader(self, loop: asyncio.AbstractEventLoop, process: ManagedProcess) -> None:
         """In a thread: wait for the leader's exit without reaping it (its pid stays taken)."""
         while True:
             try:
@@ -287,10 +294,9 @@ class ProcessTable:
                 break
             except InterruptedError:
                 continue
-        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(ProcessTable._leader_exited(process, info)))
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._leader_exited(process, info)))
 
-    @staticmethod
-    async def _leader_exited(process: ManagedProcess, info) -> None:
+    async def _leader_exited(self, process: ManagedProcess, info) -> None:
         process.leader_exited = True
         process.finished_at = time.time()
         if info is not None and info.si_code == os.CLD_EXITED:
@@ -308,10 +314,22 @@ class ProcessTable:
                 delay = min(delay * 2, TREE_POLL_MAX)
         os.waitpid(process.pid, 0)  # the zombie leader goes: its tree is empty
         process.popen.returncode = process.exit_code  # reaped here, so Popen must never wait for it
+        # What the tree wrote before it ended is in the pipes now: take it before the exit
+        # frame falls due. A process that left the tree may hold them and write on: that
+        # output is still kept (after the exit frame), and it gets no SIGPIPE from us.
+        for fd in list(process.open_outputs):
+            while fd in process.open_outputs and self._read_output(process, fd):
+                pass
         process.tree_exited = True
         process.state = "exited"
         release_fds(process)
         process.notify()
+
+    def _discard(self, process: ManagedProcess) -> None:
+        """Drop an exited process from the table, with the pipes a stray writer may hold."""
+        for fd in list(process.open_outputs):
+            self._close_output(process, fd)
+        del self.processes[process.id]
 
     # -- requests ---------------------------------------------------------------------
 
@@ -417,7 +435,7 @@ class ProcessTable:
 
 def release_fds(process: ManagedProcess) -> None:
     """Close its stdin and terminal once nothing can use them: tree gone, output at EOF."""
-    if not (process.tree_exited and process.finished):
+    if not process.tree_exited or process.open_outputs:
         return
     for fd in {process.stdin_fd, process.master_fd} - {None}:
         os.close(fd)
