@@ -33,6 +33,7 @@ from .errors import (
     redact,
 )
 from .models import (
+    CreateProcessRequest,
     CreateSandboxRequest,
     CreateSandboxResponse,
     DestroyResponse,
@@ -41,9 +42,11 @@ from .models import (
     ExecFrame,
     ExecRequest,
     ExecResponse,
-    CreateProcessRequest,
     FileUploadResponse,
+    ForkSandboxRequest,
+    Health,
     ManagedProcess,
+    PatchSandboxRequest,
     ProcessFrame,
     ProcessInput,
     ProcessInputAck,
@@ -51,15 +54,12 @@ from .models import (
     ProcessSignal,
     ProcessSignalRequest,
     PtySize,
-    WaitScope,
-    ForkSandboxRequest,
-    Health,
-    PatchSandboxRequest,
     Readiness,
     RootfsCatalog,
     SandboxView,
     Shape,
     StatusAck,
+    WaitScope,
 )
 
 from .. import __version__ as _VERSION

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import envelope
 from ..api.models import (
+    CreateProcessRequest,
     CreateSandboxRequest,
     CreateSandboxResponse,
     DestroyResponse,
@@ -45,7 +46,6 @@ from ..api.models import (
     ProcessList,
     ProcessSignalRequest,
     PtySize,
-    CreateProcessRequest,
     Readiness,
     WaitScope,
 )
