@@ -66,6 +66,7 @@ ANIMALS = ("otter", "heron", "lynx", "marten", "newt", "puffin", "stoat", "tapir
 KEEP_DESTROYED = 200
 AUTO_PAUSE_CHECK_SECONDS = 2.0
 TRANSITIONAL = (SandboxStatus.PAUSING, SandboxStatus.RESUMING)
+HEARTBEAT_SECONDS = 5.0  # an idle stream (exec, process connect) gets a heartbeat this often
 
 
 class EngineError(Exception):

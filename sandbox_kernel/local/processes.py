@@ -49,9 +49,8 @@ import json
 from collections.abc import AsyncIterator
 
 from .agent_client import AgentError, AgentUnavailable
-from .engine import Conflict, Engine, EngineError, InvalidRequest, LocalSandbox, NotFound
+from .engine import HEARTBEAT_SECONDS, Conflict, Engine, EngineError, InvalidRequest, LocalSandbox, NotFound
 
-HEARTBEAT_SECONDS = 5.0
 HEARTBEAT = b'{"type":"heartbeat"}\n'
 FRAMES_IN_FLIGHT = 8  # frames read from the agent ahead of a slow HTTP client (~90 KiB each)
 PASSIVE = frozenset({"get", "list", "wait", "connect"})  # not activity for auto-pause

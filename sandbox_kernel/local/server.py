@@ -51,12 +51,11 @@ from ..api.models import (
 )
 from . import processes
 from .agent_client import AgentUnavailable
-from .engine import ROOTFS, SHAPES, Engine, EngineError, LocalSandbox, rfc3339
+from .engine import HEARTBEAT_SECONDS, ROOTFS, SHAPES, Engine, EngineError, LocalSandbox, rfc3339
 
 log = logging.getLogger("sandbox_kernel.server")
 
 PUBLIC_ROUTES = {"/healthz", "/readyz", "/v1/shapes", "/v1/rootfs"}
-HEARTBEAT_SECONDS = 5.0
 MAX_PAGE = 500
 DEFAULT_PAGE = 50
 MAX_WAIT_MS = 3_600_000  # the longest kill grace the engine accepts (an hour)
