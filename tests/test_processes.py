@@ -171,7 +171,8 @@ def test_kill_with_grace_ends_a_term_trapping_tree(sandbox: SandboxInstance) -> 
     started = procs.create(ManagedProcessCreateRequest(command="bash", arguments=["-c", script]))
     with procs.connect(started.process_id) as stream:
         read_until(stream, b"up")
-    killed = procs.delete(started.process_id, ManagedProcessDeleteOptions(grace_period=0.3))
+    # The grace is spent in full (the child ignores TERM); long enough for a loaded machine.
+    killed = procs.delete(started.process_id, ManagedProcessDeleteOptions(grace_period=5))
     assert killed.leader_exited and killed.tree_exited and killed.state == ManagedProcessState.EXITED
     assert killed.exit_code == 0  # the leader trapped TERM; the child ignoring it got SIGKILL
     with procs.connect(started.process_id) as stream:
@@ -184,14 +185,16 @@ def test_kill_with_grace_ends_a_term_trapping_tree(sandbox: SandboxInstance) -> 
 
 def test_wait_leader_versus_tree(sandbox: SandboxInstance) -> None:
     procs = sandbox.processes
-    started = procs.create(ManagedProcessCreateRequest(
-        command="sh", arguments=["-c", "sleep 1.5 </dev/null >/dev/null 2>&1 & exit 0"]))
+    go = "/tmp/tree-may-end-%d" % time.monotonic_ns()
+    started = procs.create(ManagedProcessCreateRequest(command="sh", arguments=[
+        "-c", "(while [ ! -e %s ]; do sleep 0.05; done) </dev/null >/dev/null 2>&1 & exit 0" % go]))
     leader = procs.wait(started.process_id, ManagedProcessWaitOptions(scope=ManagedProcessWaitScope.LEADER,
                                                                       wait_timeout=20))
     assert leader.leader_exited and not leader.tree_exited
     timed_out = procs.wait(started.process_id, ManagedProcessWaitOptions(scope=ManagedProcessWaitScope.TREE,
                                                                          wait_timeout=0.05))
     assert not timed_out.tree_exited
+    sandbox.run_command(RunCommandRequest(command="touch", arguments=[go]))
     tree = procs.wait(started.process_id, ManagedProcessWaitOptions(scope=ManagedProcessWaitScope.TREE,
                                                                     wait_timeout=20))
     assert tree.tree_exited
