@@ -100,3 +100,13 @@ async def test_heartbeats_while_paused(client: SandboxClient, sandbox_id: str) -
     await client.resume_sandbox(sandbox_id)
     await wait_status(client, sandbox_id, SandboxStatus.RUNNING)
     assert (await client.get_process(sandbox_id, process.process_id)).state == "running"
+
+
+async def test_large_input_refused_cleanly(client: SandboxClient, sandbox_id: str) -> None:
+    """A refusal comes before the agent read the input: it still answers 409, not a broken pipe."""
+    process = await client.create_process(sandbox_id, CreateProcessRequest(cmd="true"))
+    await client.wait_process(sandbox_id, process.process_id, scope="tree", timeout_ms=20_000)
+    with pytest.raises(ConflictError):
+        await client.process_input(sandbox_id, process.process_id, b"x" * (4 << 20))
+    with pytest.raises(NotFoundError):
+        await client.process_input(sandbox_id, "proc-missing", b"x" * (4 << 20))

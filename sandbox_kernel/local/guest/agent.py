@@ -274,7 +274,12 @@ class Agent:
                 reply = (await table.wait(table.get(pid), request.get("scope") or "leader",
                                           request.get("timeout_ms"))).describe()
             elif op == "process_input":  # {"size": N} followed by N raw bytes
-                reply = {"input_seq": await table.write_input(pid, body_chunks(reader, request.get("size")))}
+                body = body_chunks(reader, request.get("size"))
+                try:
+                    reply = {"input_seq": await table.write_input(pid, body)}
+                finally:  # refused or cut short: take the rest, or the engine's send would fail
+                    async for _ in body:
+                        pass
             elif op == "process_stdin_close":
                 await table.close_stdin(pid)
                 reply = {}
