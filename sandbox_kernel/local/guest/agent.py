@@ -122,6 +122,7 @@ class Agent:
 
     async def exec(self, request: dict, reader: asyncio.StreamReader,
                    writer: asyncio.StreamWriter) -> None:
+        stdin = await reader.readexactly(int(request.get("stdin_size") or 0))  # first: the engine sends it
         cmd = request.get("cmd")
         args = request.get("args") or []
         if not isinstance(cmd, str) or not cmd or not all(isinstance(a, str) for a in args):
@@ -130,7 +131,6 @@ class Agent:
             return
         env = dict(os.environ)
         env.update(request.get("env") or {})
-        stdin = await reader.readexactly(int(request.get("stdin_size") or 0))
         try:
             proc = await asyncio.create_subprocess_exec(
                 cmd, *args, stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
