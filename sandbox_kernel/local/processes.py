@@ -20,7 +20,8 @@ went away. Semantics a client (the kernel) can rely on:
   first gets one `error` frame and ends.
 - Disconnecting never affects the process. Several connects may follow one process.
 - input: bytes to stdin (PTY: keystrokes), serialized, answered `{input_seq}` (1, 2, ...)
-  once written to the pipe; 409 after the leader exited or stdin was closed.
+  once written to the pipe (it waits while the pipe is full); 409 after the leader
+  exited or stdin was closed.
 - kill (`grace_ms`): SIGTERM to the tree (the leader's session), SIGKILL after the grace
   (at once without); answered once the tree is gone. signal: to the leader's process
   group (PTY: to the terminal's foreground job). wait: `scope=leader|tree`, `timeout_ms`
@@ -30,8 +31,10 @@ went away. Semantics a client (the kernel) can rely on:
 - Every request needs the sandbox running (409 otherwise: a paused agent cannot answer).
   Pause freezes the processes with the sandbox; open streams stay open (heartbeats) and
   carry on at resume. Destroy ends them. A fork starts with an empty table: the source's
-  processes stay in the source; a fork-aware process (the runner) follows the fork as it
-  does for any process, keeping the descriptors it had, so it must reopen its stdio there.
+  processes stay in the source. A fork-aware process (the runner) that is a managed
+  process still follows the fork, but its copy is not a managed process of the fork: it
+  keeps the descriptors it had (the source's pipes) and must reopen its stdio there.
+  The copy is outside the source's trees and signals (they stop at the mount namespace).
 - Activity for auto-pause: every request but connect, get, list and wait, and output
   passing through a connect. An open connect alone is not (a kernel holds one for its
   lifetime), nor is a process running silently.
