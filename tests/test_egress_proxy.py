@@ -425,12 +425,13 @@ async def test_blocked_beats_allow_all() -> None:
         return [ip_address(LOCAL)]
 
     proxy = EgressProxy(lambda h, a, p: Decision(True, "allow all"), resolve=resolve,
-                        blocked=[(LOCAL, engine.port)])
+                        blocked_ports=[engine.port])
     finished: list[int] = []
     server, port = await _serve_proxy(proxy, finished, [])
     try:
         for target in (f"{LOCAL}:{engine.port}", f"[::ffff:{LOCAL}]:{engine.port}",
-                       f"engine.example:{engine.port}"):
+                       f"engine.example:{engine.port}", f"0.0.0.0:{engine.port}",
+                       f"[::ffff:0.0.0.0]:{engine.port}", f"[::]:{engine.port}", f"127.9.9.9:{engine.port}"):
             reader, writer = await _open(port)
             writer.write(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
             status, _, body = await _read_response(reader)
@@ -438,7 +439,7 @@ async def test_blocked_beats_allow_all() -> None:
             assert body.endswith(f": {BLOCKED_REASON}\n".encode())
             writer.close()
         assert engine.connections == 0
-        assert proxy.denied_count == 3 and proxy.allowed_count == 0
+        assert proxy.denied_count == 7 and proxy.allowed_count == 0
         assert proxy.denials[-1].reason == BLOCKED_REASON
     finally:
         await _wait_finished(finished)

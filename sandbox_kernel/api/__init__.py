@@ -3,7 +3,7 @@
 This package is the only way the kernel talks to a sandbox (CreateOS cloud or the local engine).
 """
 
-from .client import PAGE_LIMIT, PUBLIC_ROUTES, USER_AGENT, ExecStream, SandboxClient
+from .client import PAGE_LIMIT, PUBLIC_ROUTES, USER_AGENT, BoundedLines, ExecStream, OversizedLine, SandboxClient
 from .errors import (
     APITimeoutError,
     APITransportError,
@@ -52,7 +52,9 @@ from .models import (
 
 __all__ = [
     "SandboxClient",
+    "BoundedLines",
     "ExecStream",
+    "OversizedLine",
     "USER_AGENT",
     "PUBLIC_ROUTES",
     "PAGE_LIMIT",

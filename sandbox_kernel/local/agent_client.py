@@ -10,6 +10,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 CHUNK = 64 * 1024
+# The agent reads a request line of at most this (agent.py's MAX_HEADER): a longer one is
+# refused here, before anything is sent.
+MAX_REQUEST = 1 << 20
+# Longest line accepted from the agent. Its exec frames carry at most 64 KiB of text,
+# which JSON escaping can grow sixfold (a control byte becomes \u0001): about 400 KiB.
+MAX_REPLY_LINE = 1 << 20
 
 
 class AgentError(Exception):
@@ -24,6 +30,10 @@ class AgentUnavailable(Exception):
     """The agent's socket does not answer (the sandbox is gone or not started yet)."""
 
 
+class RequestTooLarge(Exception):
+    """A request the agent would refuse for its size (its line limit, MAX_REQUEST)."""
+
+
 class AgentClient:
     def __init__(self, socket_dir: Path) -> None:
         self.socket_dir = socket_dir
@@ -35,7 +45,7 @@ class AgentClient:
         dir_fd = os.open(self.socket_dir, os.O_PATH)
         try:
             reader, writer = await asyncio.open_unix_connection(
-                f"/proc/self/fd/{dir_fd}/agent.sock", limit=4 * CHUNK)
+                f"/proc/self/fd/{dir_fd}/agent.sock", limit=MAX_REPLY_LINE)
         except OSError as exc:
             raise AgentUnavailable(str(exc)) from None
         finally:
@@ -48,17 +58,26 @@ class AgentClient:
                 await writer.wait_closed()
 
     @contextlib.asynccontextmanager
-    async def connection(self, request: dict, body: bytes = b""
+    async def connection(self, request: dict
                          ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-        """A connection on which `request` (and `body`) has been sent."""
+        """A connection on which `request` has been sent."""
+        line = encoded(request)
         async with self._connect() as (reader, writer):
-            writer.write(json.dumps(request).encode() + b"\n" + body)
+            writer.write(line)
             await writer.drain()
             yield reader, writer
 
     @staticmethod
-    async def _reply(reader: asyncio.StreamReader) -> dict:
-        line = await reader.readline()
+    async def _line(reader: asyncio.StreamReader) -> bytes:
+        """One line from the agent; a longer one than MAX_REPLY_LINE breaks the connection."""
+        try:
+            return await reader.readline()
+        except ValueError:  # asyncio's limit overrun: never buffered whole
+            raise AgentUnavailable(f"agent sent a line longer than {MAX_REPLY_LINE} bytes") from None
+
+    @classmethod
+    async def _reply(cls, reader: asyncio.StreamReader) -> dict:
+        line = await cls._line(reader)
         if not line:
             raise AgentUnavailable("agent closed the connection")
         reply = json.loads(line)
@@ -79,21 +98,65 @@ class AgentClient:
 
     async def exec(self, cmd: str, args: list[str], env: dict[str, str]) -> AsyncIterator[dict]:
         """Yield the command's CreateOS exec frames; closing the generator kills the command."""
-        async with self.connection({"op": "exec", "cmd": cmd, "args": args, "env": env}) as (reader, _):
+        async with self.connection(exec_request(cmd, args, env)) as (reader, _):
             while True:
-                line = await reader.readline()
+                line = await self._line(reader)
                 if not line:
                     return
                 yield json.loads(line)
 
-    async def write_file(self, path: str, data: bytes) -> int:
-        async with self.connection({"op": "write", "path": path, "size": len(data)}, data) as (reader, _):
-            return (await self._reply(reader))["bytes"]
+    async def write_file(self, path: str, chunks: AsyncIterator[bytes]) -> int:
+        """Stream an upload into the sandbox (never held whole): the bytes, then EOF.
 
-    async def read_file(self, path: str) -> bytes:
+        The agent answers as soon as it fails (a full disk, say): the rest of the upload
+        is then not read at all."""
+        async with self.connection({"op": "write", "path": path}) as (reader, writer):
+            reply = asyncio.ensure_future(self._reply(reader))
+            sending = asyncio.ensure_future(_send_all(chunks, writer))
+            try:
+                await asyncio.wait([reply, sending], return_when=asyncio.FIRST_COMPLETED)
+                if not reply.done():
+                    with contextlib.suppress(ConnectionError):
+                        await sending  # re-raises a failure of the upload's own source
+                return (await reply)["bytes"]
+            finally:
+                for task in (sending, reply):
+                    task.cancel()
+                await asyncio.gather(sending, reply, return_exceptions=True)
+
+    @contextlib.asynccontextmanager
+    async def read_file(self, path: str) -> AsyncIterator[tuple[int, AsyncIterator[bytes]]]:
+        """(size, chunks) of a file in the sandbox, streamed while the context is open."""
         async with self.connection({"op": "read", "path": path}) as (reader, _):
             size = (await self._reply(reader))["size"]
-            try:
-                return await reader.readexactly(size)
-            except asyncio.IncompleteReadError:
-                raise AgentError("failed", f"{path}: file changed while being read") from None
+
+            async def chunks() -> AsyncIterator[bytes]:
+                remaining = size
+                while remaining:
+                    chunk = await reader.read(min(CHUNK, remaining))
+                    if not chunk:
+                        raise AgentError("failed", f"{path}: file changed while being read")
+                    remaining -= len(chunk)
+                    yield chunk
+
+            yield size, chunks()
+
+
+def exec_request(cmd: str, args: list[str], env: dict[str, str]) -> dict:
+    return {"op": "exec", "cmd": cmd, "args": args, "env": env}
+
+
+def encoded(request: dict) -> bytes:
+    """The request line; RequestTooLarge if the agent would refuse it for its size."""
+    line = json.dumps(request).encode() + b"\n"
+    if len(line) > MAX_REQUEST:
+        raise RequestTooLarge(f"the request is {len(line)} bytes encoded; the sandbox agent "
+                              f"takes at most {MAX_REQUEST}")
+    return line
+
+
+async def _send_all(chunks: AsyncIterator[bytes], writer: asyncio.StreamWriter) -> None:
+    async for chunk in chunks:
+        writer.write(chunk)
+        await writer.drain()
+    writer.write_eof()
