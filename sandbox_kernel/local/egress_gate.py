@@ -46,7 +46,9 @@ class EgressGate:
         return screen_name(self.rules(), host, port)
 
     def rules_changed(self) -> None:
-        self.proxy.cut_disallowed()
+        cut = self.proxy.cut_disallowed()
+        if cut:
+            log.info("cut %d egress connections the new rules deny", cut)
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._listen())

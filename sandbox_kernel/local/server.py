@@ -240,7 +240,8 @@ async def buffered_exec(engine: Engine, sandbox_id: str, body: ExecRequest) -> E
         for name, parts in output.items():
             text = frame.get(name, "")
             room = max(0, MAX_BUFFERED_OUTPUT - kept)
-            parts.append(text[:room])
+            if text and room:
+                parts.append(text[:room])
             kept += min(len(text), room)
             cut += max(0, len(text) - room)
         if "error" in frame:
