@@ -71,6 +71,8 @@ KEEP_DESTROYED = 200
 # has, and a sandbox cannot raise them. The engine raises its own soft limit to its hard
 # one, since all sandboxes' egress connections and execs share its descriptors.
 SANDBOX_NOFILE = (1024, 4096)
+CONSOLE_TAIL = 4096  # bytes kept of what a sandbox writes to bwrap's stdout and stderr
+CONSOLE_RATE = 1024 * 1024  # bytes per second read from there (writers past it wait)
 AUTO_PAUSE_CHECK_SECONDS = 2.0
 TRANSITIONAL = (SandboxStatus.PAUSING, SandboxStatus.RESUMING)
 
@@ -155,6 +157,7 @@ class Family:
 
     process: asyncio.subprocess.Process
     founder: str  # the sandbox bwrap was started for; its agent holds the namespace
+    console: ConsoleTail  # what its processes write to the stdout and stderr bwrap was given
     members: set[str] = field(default_factory=set)  # ids of its sandboxes not yet destroyed
     # Host pids that hold the pid namespace: bwrap, its init and the command init runs
     # (the founder's agent). Noted once the agent answers, before any user process exists
@@ -179,6 +182,32 @@ class Family:
                     if line.startswith("NSpid:") and line.split()[-1] == str(ns_pid):
                         return int(entry.name)
         raise LookupError(f"no process {ns_pid} in the sandbox's pid namespace")
+
+
+class ConsoleTail:
+    """Drains the pipe a sandbox got as bwrap's stdout and stderr, keeping only its end.
+
+    bwrap, the disk's mount step and the agent report start failures there. Every process
+    of the sandbox can write to it too (through /proc/<agent>/fd/2), so it is never a host
+    file (that would fill the host's disk past the sandbox's cap) nor held whole: the last
+    CONSOLE_TAIL bytes are kept, and it is read at CONSOLE_RATE at most, so a flood costs
+    the engine little and its writers wait.
+    """
+
+    def __init__(self, pipe: asyncio.StreamReader) -> None:
+        self.tail = b""
+        self.task = asyncio.get_running_loop().create_task(self._drain(pipe))
+
+    async def _drain(self, pipe: asyncio.StreamReader) -> None:
+        while chunk := await pipe.read(64 * 1024):
+            self.tail = (self.tail + chunk)[-CONSOLE_TAIL:]
+            await asyncio.sleep(len(chunk) / CONSOLE_RATE)
+
+    async def last_words(self) -> str:
+        """The end of what was written, once its writers are gone (bwrap exited)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.task), 1.0)
+        return self.tail.decode(errors="replace").strip()
 
 
 def child_pids(pid: int) -> list[int]:
@@ -346,22 +375,22 @@ class Engine:
             sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd,
             self.limiter.rlimits(sandbox.limits), packages=sandbox.rootfs == LOCAL_ROOTFS)) + "\0"
         args_read, args_write = os.pipe()
-        log_file = open(sandbox.dirs.root / "bwrap.log", "ab")
         try:
-            with log_file:
-                command = launch_command(self.bwrap, args_read, listener.fileno())
-                if self.disk_capped:
-                    command = disk.mounted(command, image, sandbox.dirs.volume)
-                process = await asyncio.create_subprocess_exec(
-                    *command,
-                    pass_fds=(args_read, seccomp_fd, listener.fileno()),
-                    stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-                    preexec_fn=limit_sandbox_fds)
+            command = launch_command(self.bwrap, args_read, listener.fileno())
+            if self.disk_capped:
+                command = disk.mounted(command, image, sandbox.dirs.volume)
+            process = await asyncio.create_subprocess_exec(
+                *command,
+                pass_fds=(args_read, seccomp_fd, listener.fileno()),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, preexec_fn=limit_sandbox_fds)
         finally:
             os.close(args_read)
             os.close(seccomp_fd)
             listener.close()  # the agent has its own copy
-        sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id})
+        assert process.stdout is not None
+        sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id},
+                                console=ConsoleTail(process.stdout))
         # bwrap is blocked reading its options: put it into the sandbox's cgroup now, so
         # every process the sandbox ever creates starts inside it.
         self._attach(sandbox, process.pid)
@@ -417,8 +446,7 @@ class Engine:
         assert sandbox.family is not None
         while time.monotonic() < deadline:
             if sandbox.family.process.returncode is not None:
-                log_path = sandbox.dirs.root / "bwrap.log"
-                detail = log_path.read_text(errors="replace").strip() if log_path.exists() else ""
+                detail = await sandbox.family.console.last_words()
                 raise SandboxStartFailed(f"sandbox failed to start: {detail[-500:] or 'bwrap exited'}")
             with contextlib.suppress(AgentUnavailable, FileNotFoundError):
                 await sandbox.agent.ping()

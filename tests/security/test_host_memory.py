@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -150,3 +151,29 @@ async def test_files_stream_through_the_engine(sandbox: str, engine: EngineEndpo
           f"upload of 300 MiB: engine +{upload.mib:.0f} MiB")
     assert download.mib < ENGINE_BOUND_MIB
     assert upload.mib < ENGINE_BOUND_MIB
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.lstat().st_blocks * 512 for p in path.rglob("*") if not p.is_symlink())
+
+
+async def test_the_agents_console_is_no_host_file(client: SandboxClient, sandbox: str,
+                                                  engine: EngineEndpoint, state_dir: Path) -> None:
+    """Every process of a sandbox can write to the stdout and stderr bwrap was started with
+    (/proc/<agent>/fd/2): before, a file in the engine's state dir, outside the disk cap."""
+    flood = ("import os, signal, sys\nsignal.alarm(5)\nfd = os.open('/proc/2/fd/2', os.O_WRONLY)\n"
+             "block = b'x' * (1 << 20)\nwritten = 0\n"
+             "def report(*_):\n    print(written, flush=True)\n    os._exit(0)\n"
+             "signal.signal(signal.SIGALRM, report)\n"
+             "while written < (500 << 20):\n    written += os.write(fd, block)\nreport()\n")
+    host_dir = state_dir / "sandboxes" / sandbox
+    before = tree_bytes(host_dir)
+    with memory_growth(engine.pid) as growth:
+        response = await client.exec(sandbox, "python3", ["-c", flood], timeout=60)
+    written = int(response.result.stdout)
+    grown = tree_bytes(host_dir) - before
+    print(f"5 s writing to the agent's stderr: {written / MIB:.1f} MiB accepted, host files "
+          f"+{grown / MIB:.1f} MiB, engine +{growth.mib:.0f} MiB")
+    assert written > 0  # the attack ran: the descriptor was open for writing
+    assert grown < MIB
+    assert growth.mib < ENGINE_BOUND_MIB
