@@ -105,12 +105,14 @@ class AgentClient:
                     return
                 yield json.loads(line)
 
-    async def write_file(self, path: str, chunks: AsyncIterator[bytes]) -> int:
-        """Stream an upload into the sandbox (never held whole): the bytes, then EOF.
+    async def write_file(self, path: str, chunks: AsyncIterator[bytes], size: int | None) -> int:
+        """Stream an upload into the sandbox (never held whole): the bytes, then EOF. With
+        `size` (when the client announced it) the agent refuses an upload cut short.
 
         The agent answers as soon as it fails (a full disk, say): the rest of the upload
         is then not read at all."""
-        async with self.connection({"op": "write", "path": path}) as (reader, writer):
+        request = {"op": "write", "path": path, **({} if size is None else {"size": size})}
+        async with self.connection(request) as (reader, writer):
             reply = asyncio.ensure_future(self._reply(reader))
             sending = asyncio.ensure_future(_send_all(chunks, writer))
             try:

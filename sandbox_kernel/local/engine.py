@@ -739,7 +739,7 @@ class Engine:
             raise TooLarge(f"{path}: {size} bytes do not fit the sandbox's {sandbox.disk_mib} MiB disk",
                            code="disk_full")
         with file_errors():
-            return await sandbox.agent.write_file(path, chunks)
+            return await sandbox.agent.write_file(path, chunks, size)
 
     @contextlib.asynccontextmanager
     async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[tuple[int, AsyncIterator[bytes]]]:

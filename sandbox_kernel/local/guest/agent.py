@@ -9,7 +9,8 @@ never the host's. Stdlib only: it runs on the sandbox's Python, not the engine's
 Protocol (unix socket, one request per connection): the engine sends one JSON line,
     {"op": "ping"}
     {"op": "exec", "cmd": str, "args": [str], "env": {str: str}}
-    {"op": "write", "path": "/abs"}   followed by the raw bytes, then EOF (a half-close)
+    {"op": "write", "path": "/abs", "size"?: N}   then the raw bytes and EOF (a half-close);
+                                                  with a size, fewer bytes are a failure
     {"op": "read", "path": "/abs"}
     {"op": "fork", "hostname": str, "disk_mib": N, "env": {str: str}}
     {"op": "egress_listen"}
@@ -178,6 +179,10 @@ class Agent:
                     written += len(chunk)
         except OSError as exc:
             writer.write(failure(os_error_code(exc), "%s: %s" % (path, exc.strerror)))
+            return
+        size = request.get("size")
+        if isinstance(size, int) and written != size:
+            writer.write(failure("invalid", "%s: the upload ended after %d of %d bytes" % (path, written, size)))
             return
         writer.write(frame({"ok": True, "bytes": written}))
 
