@@ -2,6 +2,10 @@
 
 Semantics
 ---------
+* ``[DENY_ALL]`` means **deny all**: CreateOS has no denylist and reads an empty list as allow all, so the kernel
+  writes "block everything" as the one rule ``192.0.2.1:9`` (the discard port of a documentation address, which
+  nothing answers). The local engine treats that list as what it stands for: no connection at all, not even to
+  that address.
 * ``None``, ``[]`` and ``["*"]`` mean **allow all**. ``"*"`` is only valid as the whole list; mixed with other
   rules it is an error. Allow-all covers **public** destinations only: loopback, private, link-local, multicast,
   reserved, unspecified, shared (100.64.0.0/10) and other non-global addresses, including IPv4-mapped, 6to4,
@@ -49,13 +53,16 @@ __all__ = [
     "EgressRuleError",
     "Rule",
     "add",
+    "DENY_ALL",
     "decide",
     "is_allow_all",
+    "is_deny_all",
     "missing",
     "non_public_reason",
     "normalize",
     "parse",
     "remove",
+    "screen_name",
     "validate",
 ]
 
@@ -64,6 +71,8 @@ IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
 RuleKind = Literal["host", "wildcard", "ip", "cidr"]
 
 ALLOW_ALL = "*"
+DENY_ALL = "192.0.2.1:9"
+_DENY_ALL_REASON = "all egress is blocked (block-all)"
 _LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _PORT = re.compile(r"[0-9]+")
 _SHARED = ipaddress.IPv4Network("100.64.0.0/10")
@@ -102,14 +111,18 @@ class Rule:
                 return f"[{base}]:{self.port}"
         return base if self.port is None else f"{base}:{self.port}"
 
+    def names(self, hostname: str | None) -> bool:
+        """Whether this host or wildcard rule names ``hostname`` (normalized; None for an IP literal)."""
+        if self.kind == "host":
+            return hostname == self.host
+        return self.kind == "wildcard" and hostname is not None and hostname.endswith("." + str(self.host))
+
     def matches(self, hostname: str | None, address: IPAddress, port: int) -> bool:
         """Whether this rule allows a connection (``hostname`` already normalized, None for an IP literal)."""
         if self.port is not None and self.port != port:
             return False
-        if self.kind == "host":
-            return hostname == self.host
-        if self.kind == "wildcard":
-            return hostname is not None and hostname.endswith("." + str(self.host))
+        if self.kind in ("host", "wildcard"):
+            return self.names(hostname)
         assert self.network is not None
         mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
         return any(a is not None and a.version == self.network.version and a in self.network for a in (address, mapped))
@@ -234,6 +247,11 @@ def is_allow_all(rules: Sequence[str] | None) -> bool:
     return not rules or list(rules) == [ALLOW_ALL]
 
 
+def is_deny_all(rules: Sequence[str | Rule] | None) -> bool:
+    """Whether the list is the kernel's encoding of "block everything" (``[DENY_ALL]``)."""
+    return [str(rule) for rule in rules or ()] == [DENY_ALL]
+
+
 def validate(rules: Sequence[str] | None) -> list[str]:
     """Normalize a whole list (``None`` and ``["*"]`` become ``[]``), dropping duplicates and keeping order.
     Raises :class:`EgressRuleError` on the first bad rule."""
@@ -348,6 +366,8 @@ def decide(
     Rules may be raw or normalized strings, or :class:`Rule` objects. Raises :class:`EgressRuleError` if a rule
     is malformed (including ``"*"`` mixed with other rules)."""
     items = list(rules or [])
+    if is_deny_all(items):
+        return Decision(False, _DENY_ALL_REASON)
     name = _requested(hostname)
     shown = f"[{address}]" if address.version == 6 else str(address)
     target = f"{shown}:{port}" if name is None else f"{name}:{port} ({address})"
@@ -360,3 +380,23 @@ def decide(
         if rule.matches(name, address, port):
             return Decision(True, f"allowed by rule '{rule}'", str(rule))
     return Decision(False, f"no rule allows {target}")
+
+
+def screen_name(rules: Sequence[str | Rule] | None, hostname: str, port: int) -> Decision | None:
+    """A refusal of ``hostname:port`` decided *before* resolving the name, or None when only its addresses can
+    decide. Resolving a name no rule could allow would let a sandbox under ``block-all`` still send data out in
+    DNS queries (and receive answers). The order: deny-all refuses everything; allow-all needs the addresses
+    (public or not); a host or wildcard rule naming it with a matching port needs them to connect; an IP or CIDR
+    rule with a matching port needs them to match; anything else is refused unresolved."""
+    items = list(rules or [])
+    if is_deny_all(items):
+        return Decision(False, _DENY_ALL_REASON)
+    if not items or items == [ALLOW_ALL]:
+        return None
+    name = _requested(hostname)
+    for rule in (r if isinstance(r, Rule) else parse(r) for r in items):
+        if rule.port is not None and rule.port != port:
+            continue
+        if rule.kind in ("ip", "cidr") or rule.names(name):
+            return None
+    return Decision(False, f"no rule allows {name}:{port}")

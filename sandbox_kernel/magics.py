@@ -25,7 +25,7 @@ MAGIC = "%sandbox"
 EGRESS = "%egress"
 # CreateOS has no deny-all token (an empty list allows all): one rule that matches nothing
 # useful, a port on a documentation-only address (RFC 5737), stands for "block all".
-BLOCK_ALL = "192.0.2.1:9"
+BLOCK_ALL = egress_rules.DENY_ALL
 HELP = """\
 %sandbox — manage this notebook's sandbox (handled by the kernel, not run in the sandbox)
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from .api import (
     APITransportError,
+    BoundedLines,
     ConflictError,
     CreateSandboxRequest,
     EgressView,
@@ -30,6 +31,7 @@ from .api import (
     ExecResult,
     ForkSandboxRequest,
     NotFoundError,
+    OversizedLine,
     PatchSandboxRequest,
     ProtocolError,
     SandboxAPIError,
@@ -64,6 +66,10 @@ POLL_WAIT = 1.0
 GATEWAY_GAVE_UP = (502, 504)
 STREAM_DROPS_BEFORE_POLLING = 2
 CLIENT_FAILURES_BEFORE_GIVING_UP = 3
+# The runner's events are lines on its client's stdout, which code in the sandbox can
+# replace: a line longer than the cell's output limit plus this is dropped, never held.
+EVENT_LINE_SLACK = 1024 * 1024
+STDERR_TAIL = 4096  # of the runner client's stderr, kept for its last words
 
 # Polling a transition (pause, resume, fork): locally it takes milliseconds, on CreateOS
 # it can take minutes; doubling from 20 ms to 2 s serves both with few requests.
@@ -419,7 +425,7 @@ class SandboxSession:
             request["code_file"] = code_file
         else:
             request["code"] = code
-        stream = _EventStream(on_event)
+        stream = _EventStream(on_event, self.settings.output_limit + EVENT_LINE_SLACK)
         done = await self._follow(stream, request)
         failures = 0
         while done is None:
@@ -515,29 +521,12 @@ class SandboxSession:
             self.client = None
 
 
-class _LineSplitter:
-    """Cuts a stream of text chunks into lines. A long line (a big image, say) arrives in
-    many chunks: they are joined once at its end, not re-scanned on every chunk."""
-
-    def __init__(self) -> None:
-        self._parts: list[str] = []  # the unfinished line
-
-    def feed(self, chunk: str) -> list[str]:
-        """The lines this chunk completes."""
-        if "\n" not in chunk:
-            self._parts.append(chunk)
-            return []
-        first, *rest = chunk.split("\n")
-        complete = ["".join([*self._parts, first]), *rest[:-1]]
-        self._parts = [rest[-1]]
-        return complete
-
-
 class _EventStream:
     """Reads one exec's NDJSON events, skipping any already delivered (by seq)."""
 
-    def __init__(self, on_event: EventHandler) -> None:
+    def __init__(self, on_event: EventHandler, line_limit: int) -> None:
         self.on_event = on_event
+        self.line_limit = line_limit
         self.last_seq = 0
         self.broken = False  # did the last exec fail (rather than end or time out)?
         self.client_failures = 0  # runner clients that failed in a row
@@ -545,7 +534,7 @@ class _EventStream:
     async def follow(self, session: SandboxSession, runner_args: list[str]) -> dict[str, Any] | None:
         """Deliver new events until `done` (returned) or the stream breaks (None)."""
         client, sandbox_id = session._require()
-        lines = _LineSplitter()
+        lines = BoundedLines(self.line_limit)
         stderr = ""
         seen_output = False
         self.broken = True
@@ -554,7 +543,7 @@ class _EventStream:
                                           runner_client(*runner_args)) as frames:
                 async for frame in frames:
                     if frame.stderr:
-                        stderr += frame.stderr
+                        stderr = (stderr + frame.stderr)[-STDERR_TAIL:]
                     if frame.error:
                         if not seen_output:  # the command never ran: the service cannot stream
                             raise StreamingUnavailable(f"error frame: {frame.error}")
@@ -569,6 +558,7 @@ class _EventStream:
                     if frame.exit_code not in (None, 0):
                         self._client_failed(stderr)
                         return None
+                return await self._deliver(lines.close())  # an unfinished last line, if any
         except NotFoundError as exc:
             await session.view()  # raises NotFoundError itself if the sandbox is gone
             raise StreamingUnavailable(str(exc)) from None
@@ -612,7 +602,12 @@ class _EventStream:
         if self.client_failures >= CLIENT_FAILURES_BEFORE_GIVING_UP:
             raise runner_failed(stderr)
 
-    async def _deliver(self, line: str) -> dict[str, Any] | None:
+    async def _deliver(self, line: str | OversizedLine) -> dict[str, Any] | None:
+        if isinstance(line, OversizedLine):
+            await self.on_event({"type": "stream", "name": "stderr", "text": (
+                f"[sandbox-kernel] dropped a line of {line.size / 2**20:.1f} MiB from the sandbox: "
+                f"longer than the {self.line_limit / 2**20:g} MiB a runner event may be\n")})
+            return None
         if not line.strip():
             return None
         try:

@@ -986,3 +986,14 @@ def test_fail_data_with_a_message_shows_that_sentence() -> None:
     assert isinstance(err, ConflictError)
     assert (err.message, err.code) == ("only a paused sandbox can be forked", "invalid_state")
     assert err.user_message() == "not possible in the sandbox's current state (409): only a paused sandbox can be forked"
+
+
+def test_bounded_lines_drop_what_passes_the_limit_and_count_it() -> None:
+    from sandbox_kernel.api import BoundedLines, OversizedLine
+
+    lines = BoundedLines(8)
+    assert lines.feed("abc") == [] and lines.feed("de\nfg") == ["abcde"]
+    assert lines.feed("x" * 100) == []  # held: at most 8 characters, here none
+    last = lines.feed("y\nok\n")
+    assert isinstance(last[0], OversizedLine) and last[0].size == 103 and last[1:] == ["ok"]
+    assert lines.feed("tail") == [] and lines.close() == "tail" and lines.close() == ""

@@ -425,12 +425,13 @@ async def test_blocked_beats_allow_all() -> None:
         return [ip_address(LOCAL)]
 
     proxy = EgressProxy(lambda h, a, p: Decision(True, "allow all"), resolve=resolve,
-                        blocked=[(LOCAL, engine.port)])
+                        blocked_ports=[engine.port])
     finished: list[int] = []
     server, port = await _serve_proxy(proxy, finished, [])
     try:
         for target in (f"{LOCAL}:{engine.port}", f"[::ffff:{LOCAL}]:{engine.port}",
-                       f"engine.example:{engine.port}"):
+                       f"engine.example:{engine.port}", f"0.0.0.0:{engine.port}",
+                       f"[::ffff:0.0.0.0]:{engine.port}", f"[::]:{engine.port}", f"127.9.9.9:{engine.port}"):
             reader, writer = await _open(port)
             writer.write(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
             status, _, body = await _read_response(reader)
@@ -438,7 +439,7 @@ async def test_blocked_beats_allow_all() -> None:
             assert body.endswith(f": {BLOCKED_REASON}\n".encode())
             writer.close()
         assert engine.connections == 0
-        assert proxy.denied_count == 3 and proxy.allowed_count == 0
+        assert proxy.denied_count == 7 and proxy.allowed_count == 0
         assert proxy.denials[-1].reason == BLOCKED_REASON
     finally:
         await _wait_finished(finished)
@@ -518,3 +519,54 @@ async def test_relay_one_mib_and_half_close() -> None:
         server.close()
         echo_s.server.close()
         counter.server.close()
+
+
+async def test_a_trickling_handshake_is_ended() -> None:
+    """A client has handshake_timeout in all to name its destination: a SOCKS request sent
+    a byte at a time, each well within that time, is still cut off."""
+    proxy = EgressProxy(lambda h, a, p: Decision(True, "allow all"), handshake_timeout=0.3)
+    finished: list[int] = []
+    server, port = await _serve_proxy(proxy, finished, [])
+    try:
+        reader, writer = await _open(port)
+        writer.write(b"\x05\x01\x00")
+        assert await reader.readexactly(2) == b"\x05\x00"
+        request = b"\x05\x01\x00\x03\xc8" + b"a" * 200 + b"\x01\xbb"  # 20 s at 0.1 s a byte
+        sent = 0
+        for byte in request:
+            try:
+                writer.write(bytes([byte]))
+                if await asyncio.wait_for(reader.read(1), 0.1) == b"":
+                    break  # closed by the proxy
+            except asyncio.TimeoutError:
+                sent += 1
+            except ConnectionError:
+                break
+        assert sent < len(request)
+        await _wait_finished(finished)
+        writer.close()
+    finally:
+        server.close()
+
+
+async def test_names_no_rule_allows_are_refused_before_resolving() -> None:
+    resolved: list[str] = []
+
+    async def resolve(host: str, port: int) -> list:
+        resolved.append(host)
+        return [ip_address(LOCAL)]
+
+    proxy = EgressProxy(lambda h, a, p: Decision(True, "allowed"), resolve=resolve,
+                        screen=lambda host, port: None if host == "named.example" else Decision(False, "unnamed"))
+    finished: list[int] = []
+    server, port = await _serve_proxy(proxy, finished, [])
+    try:
+        reader, writer = await _open(port)
+        writer.write(b"CONNECT other.example:443 HTTP/1.1\r\n\r\n")
+        status, _, body = await _read_response(reader)
+        assert (status, body) == (403, b"egress denied: other.example:443: unnamed\n")
+        writer.close()
+        assert resolved == [] and proxy.denied_count == 1
+    finally:
+        await _wait_finished(finished)
+        server.close()

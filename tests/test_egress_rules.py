@@ -7,6 +7,7 @@ import ipaddress
 import pytest
 
 from sandbox_kernel.egress_rules import (
+    DENY_ALL,
     Decision,
     EgressRuleError,
     Rule,
@@ -18,6 +19,7 @@ from sandbox_kernel.egress_rules import (
     normalize,
     parse,
     remove,
+    screen_name,
     validate,
 )
 
@@ -287,3 +289,29 @@ def test_decide_with_rule_objects_and_bad_rules() -> None:
         decide(["ok.com", "bad rule"], "x.com", ip("1.2.3.4"), 443)
     with pytest.raises(EgressRuleError):
         decide(["*", "ok.com"], "x.com", ip("1.2.3.4"), 443)
+
+
+# -- deciding a name before resolving it ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("rules", "name", "port", "refused"), [
+    ([DENY_ALL], "example.com", 443, "all egress is blocked (block-all)"),
+    ([], "example.com", 443, None),  # allow-all: the addresses say whether it is public
+    (["example.com"], "example.com", 443, None),
+    (["example.com:80"], "example.com", 443, "no rule allows example.com:443"),
+    (["*.example.com"], "a.b.example.com", 443, None),
+    (["*.example.com"], "example.com", 443, "no rule allows example.com:443"),
+    (["other.com", "10.0.0.0/8"], "example.com", 443, None),  # a CIDR rule needs the addresses
+    (["other.com", "10.0.0.0/8:22"], "example.com", 443, "no rule allows example.com:443"),
+    (["Other.COM."], "other.com", 1, None),
+])
+def test_screen_name(rules: list[str], name: str, port: int, refused: str | None) -> None:
+    decision = screen_name(validate(rules), name, port)
+    assert (decision.reason if decision else None) == refused
+    assert decision is None or not decision.allowed
+
+
+def test_deny_all_allows_nothing_not_even_its_own_address() -> None:
+    for address in ("192.0.2.1", "127.0.0.1", "8.8.8.8"):
+        assert decide([DENY_ALL], None, ip(address), 9) == Decision(False, "all egress is blocked (block-all)")
+    assert decide([DENY_ALL, "example.com"], "example.com", ip("8.8.8.8"), 9).allowed

@@ -3,7 +3,8 @@
 This package is the only way the kernel talks to a sandbox (CreateOS cloud or the local engine).
 """
 
-from .client import PAGE_LIMIT, PUBLIC_ROUTES, USER_AGENT, ExecStream, ProcessStream, SandboxClient
+from .client import (PAGE_LIMIT, PUBLIC_ROUTES, USER_AGENT, BoundedLines, ExecStream, OversizedLine, ProcessStream,
+                     SandboxClient)
 from .errors import (
     APITimeoutError,
     APITransportError,
@@ -69,7 +70,9 @@ from .models import (
 
 __all__ = [
     "SandboxClient",
+    "BoundedLines",
     "ExecStream",
+    "OversizedLine",
     "ProcessStream",
     "USER_AGENT",
     "PUBLIC_ROUTES",

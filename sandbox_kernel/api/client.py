@@ -64,7 +64,8 @@ from .models import (
 
 from .. import __version__ as _VERSION
 
-__all__ = ["SandboxClient", "ExecStream", "ProcessStream", "USER_AGENT", "PUBLIC_ROUTES", "PAGE_LIMIT"]
+__all__ = ["SandboxClient", "ExecStream", "ProcessStream", "BoundedLines", "OversizedLine", "USER_AGENT",
+           "PUBLIC_ROUTES", "PAGE_LIMIT", "MAX_FRAME_LINE"]
 
 USER_AGENT = f"sandbox-kernel/{_VERSION}"
 #: (method, path) pairs sent without the API key
@@ -80,6 +81,9 @@ _RETRY_STATUS_IDEMPOTENT = frozenset({408, 429, 500, 502, 503, 504})
 _RETRY_STATUS_ANY = frozenset({429, 503})
 _SSE_SKIP_PREFIXES = (":", "event:", "id:", "retry:")
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+#: longest NDJSON line of an exec or process stream accepted from the service (CreateOS sends small frames; the local
+#: engine's are at most about 400 KiB): a longer one is a broken stream, never buffered whole
+MAX_FRAME_LINE = 4 * 1024 * 1024
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 F = TypeVar("F", bound=pydantic.BaseModel)
@@ -92,6 +96,68 @@ def _backoff(attempt: int) -> float:
 def _seg(value: str) -> str:
     """URL-encode one path segment (like encodeURIComponent)."""
     return quote(str(value), safe="")
+
+
+class BoundedLines:
+    """Cuts a stream of text chunks into lines, holding at most ``limit`` characters of an unfinished line.
+
+    What a sandbox writes must never grow its reader without bound (an unterminated line of 300 MiB would
+    otherwise be held whole, then copied). ``feed`` returns the lines a chunk completes; a line longer than
+    ``limit`` comes back as an :class:`OversizedLine` instead of its text, and its characters are dropped as
+    they arrive. A long line (a big image, say) within the limit arrives in many chunks: they are joined once
+    at its end, not re-scanned on every chunk.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._parts: list[str] = []  # the unfinished line, while it is within the limit
+        self._size = 0  # its length so far (still counted once its text is dropped)
+
+    def feed(self, chunk: str) -> list["str | OversizedLine"]:
+        pieces = chunk.split("\n")
+        complete: list[str | OversizedLine] = []
+        for piece in pieces[:-1]:
+            complete.append(self._finish(piece))
+        self._take(pieces[-1])
+        return complete
+
+    def close(self) -> "str | OversizedLine":
+        """The unfinished last line (``""`` if none), when the stream ends without a final newline."""
+        return self._finish("")
+
+    def _take(self, piece: str) -> None:
+        self._size += len(piece)
+        if self._size > self.limit:
+            self._parts = []  # over the limit: count it, keep none of it
+        elif piece:
+            self._parts.append(piece)
+
+    def _finish(self, piece: str) -> "str | OversizedLine":
+        self._take(piece)
+        size, line = self._size, "".join(self._parts)
+        self._parts, self._size = [], 0
+        return OversizedLine(size) if size > self.limit else line
+
+
+class OversizedLine:
+    """Stands for a line longer than the reader's limit; ``size`` is its length in characters."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __repr__(self) -> str:
+        return f"OversizedLine({self.size})"
+
+
+async def _bounded_lines(chunks: AsyncIterator[str], limit: int) -> AsyncIterator["str | OversizedLine"]:
+    """The lines of a text stream, bounded as :class:`BoundedLines`; an unfinished last line is yielded too."""
+    lines = BoundedLines(limit)
+    async for chunk in chunks:
+        for line in lines.feed(chunk):
+            yield line
+    last = lines.close()
+    if last:
+        yield last
 
 
 class _FrameStream(Generic[F]):
@@ -125,7 +191,10 @@ class _FrameStream(Generic[F]):
 
     async def _frames(self) -> AsyncIterator[F]:
         try:
-            async for raw_line in self.response.aiter_lines():
+            async for raw_line in _bounded_lines(self.response.aiter_text(), MAX_FRAME_LINE):
+                if isinstance(raw_line, OversizedLine):
+                    await self.response.aclose()
+                    raise self._protocol_error(f"stream line longer than {MAX_FRAME_LINE} characters")
                 line = raw_line.strip()
                 if not line or line.startswith(_SSE_SKIP_PREFIXES):
                     continue

@@ -10,6 +10,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 CHUNK = 64 * 1024
+# The agent reads a request line of at most this (agent.py's MAX_HEADER): a longer one is
+# refused here, before anything is sent.
+MAX_REQUEST = 1 << 20
+# Longest line accepted from the agent. Its exec frames carry at most 64 KiB of text,
+# which JSON escaping can grow sixfold (a control byte becomes \u0001): about 400 KiB.
+MAX_REPLY_LINE = 1 << 20
 # The longest answer line of a managed-process op: a list of 32 processes whose command
 # lines may each take up to 64 KiB (guest/processes.py MAX_COMMAND_LINE).
 MAX_PROCESS_REPLY = 4 << 20
@@ -27,9 +33,8 @@ class AgentUnavailable(Exception):
     """The agent's socket does not answer (the sandbox is gone or not started yet)."""
 
 
-async def lines(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
-    while line := await reader.readline():
-        yield line
+class RequestTooLarge(Exception):
+    """A request the agent would refuse for its size (its line limit, MAX_REQUEST)."""
 
 
 class AgentClient:
@@ -37,7 +42,7 @@ class AgentClient:
         self.socket_dir = socket_dir
 
     @contextlib.asynccontextmanager
-    async def _connect(self, limit: int = 4 * CHUNK
+    async def _connect(self, limit: int
                        ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
         # Connect through /proc/self/fd so a deep state dir cannot push the socket path
         # past the 108-byte sun_path limit.
@@ -57,18 +62,27 @@ class AgentClient:
                 await writer.wait_closed()
 
     @contextlib.asynccontextmanager
-    async def connection(self, request: dict, body: bytes = b"", limit: int = 4 * CHUNK
+    async def connection(self, request: dict, body: bytes = b"", limit: int = MAX_REPLY_LINE
                          ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-        """A connection on which `request` (and `body`) has been sent; `limit` bounds an
-        answer's line."""
+        """A connection on which `request` (and `body`, raw after its line) has been sent;
+        `limit` bounds each line of the answer."""
+        line = encoded(request)
         async with self._connect(limit) as (reader, writer):
-            writer.write(json.dumps(request).encode() + b"\n" + body)
+            writer.write(line + body)
             await writer.drain()
             yield reader, writer
 
     @staticmethod
-    async def _reply(reader: asyncio.StreamReader) -> dict:
-        line = await reader.readline()
+    async def _line(reader: asyncio.StreamReader) -> bytes:
+        """One line from the agent; a longer one than MAX_REPLY_LINE breaks the connection."""
+        try:
+            return await reader.readline()
+        except ValueError:  # asyncio's limit overrun: never buffered whole
+            raise AgentUnavailable("agent sent a line longer than this connection's limit") from None
+
+    @classmethod
+    async def _reply(cls, reader: asyncio.StreamReader) -> dict:
+        line = await cls._line(reader)
         if not line:
             raise AgentUnavailable("agent closed the connection")
         reply = json.loads(line)
@@ -91,10 +105,9 @@ class AgentClient:
                    stdin: str = "") -> AsyncIterator[dict]:
         """Yield the command's CreateOS exec frames; closing the generator kills the command."""
         data = stdin.encode()
-        request = {"op": "exec", "cmd": cmd, "args": args, "env": env, "stdin_size": len(data)}
-        async with self.connection(request, data) as (reader, _):
+        async with self.connection(exec_request(cmd, args, env, len(data)), data) as (reader, _):
             while True:
-                line = await reader.readline()
+                line = await self._line(reader)
                 if not line:
                     return
                 yield json.loads(line)
@@ -113,16 +126,67 @@ class AgentClient:
         before any frame if there is no such process. Leaving the block disconnects."""
         async with self.connection({"op": "process_connect", "id": process_id, "after": after}) as (reader, _):
             await self._reply(reader)
-            yield lines(reader)
+            yield self._lines(reader)
 
-    async def write_file(self, path: str, data: bytes) -> int:
-        async with self.connection({"op": "write", "path": path, "size": len(data)}, data) as (reader, _):
-            return (await self._reply(reader))["bytes"]
+    async def _lines(self, reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+        while line := await self._line(reader):
+            yield line
 
-    async def read_file(self, path: str) -> bytes:
+    async def write_file(self, path: str, chunks: AsyncIterator[bytes], size: int | None) -> int:
+        """Stream an upload into the sandbox (never held whole): the bytes, then EOF. With
+        `size` (when the client announced it) the agent refuses an upload cut short.
+
+        The agent answers as soon as it fails (a full disk, say): the rest of the upload
+        is then not read at all."""
+        request = {"op": "write", "path": path, **({} if size is None else {"size": size})}
+        async with self.connection(request) as (reader, writer):
+            reply = asyncio.ensure_future(self._reply(reader))
+            sending = asyncio.ensure_future(_send_all(chunks, writer))
+            try:
+                await asyncio.wait([reply, sending], return_when=asyncio.FIRST_COMPLETED)
+                if not reply.done():
+                    with contextlib.suppress(ConnectionError):
+                        await sending  # re-raises a failure of the upload's own source
+                return (await reply)["bytes"]
+            finally:
+                for task in (sending, reply):
+                    task.cancel()
+                await asyncio.gather(sending, reply, return_exceptions=True)
+
+    @contextlib.asynccontextmanager
+    async def read_file(self, path: str) -> AsyncIterator[tuple[int, AsyncIterator[bytes]]]:
+        """(size, chunks) of a file in the sandbox, streamed while the context is open."""
         async with self.connection({"op": "read", "path": path}) as (reader, _):
             size = (await self._reply(reader))["size"]
-            try:
-                return await reader.readexactly(size)
-            except asyncio.IncompleteReadError:
-                raise AgentError("failed", f"{path}: file changed while being read") from None
+
+            async def chunks() -> AsyncIterator[bytes]:
+                remaining = size
+                while remaining:
+                    chunk = await reader.read(min(CHUNK, remaining))
+                    if not chunk:
+                        raise AgentError("failed", f"{path}: file changed while being read")
+                    remaining -= len(chunk)
+                    yield chunk
+
+            yield size, chunks()
+
+
+def exec_request(cmd: str, args: list[str], env: dict[str, str], stdin_size: int = 0) -> dict:
+    """An exec's request line; its `stdin_size` bytes of standard input follow it raw."""
+    return {"op": "exec", "cmd": cmd, "args": args, "env": env, "stdin_size": stdin_size}
+
+
+def encoded(request: dict) -> bytes:
+    """The request line; RequestTooLarge if the agent would refuse it for its size."""
+    line = json.dumps(request).encode() + b"\n"
+    if len(line) > MAX_REQUEST:
+        raise RequestTooLarge(f"the request is {len(line)} bytes encoded; the sandbox agent "
+                              f"takes at most {MAX_REQUEST}")
+    return line
+
+
+async def _send_all(chunks: AsyncIterator[bytes], writer: asyncio.StreamWriter) -> None:
+    async for chunk in chunks:
+        writer.write(chunk)
+        await writer.drain()
+    writer.write_eof()

@@ -4,7 +4,10 @@ The engine keeps one `egress_listen` connection open to each running sandbox's a
 When a process in the sandbox connects to the egress port on its loopback, the agent
 announces a stream number there; the gate opens `egress_attach` for it and lets the
 egress proxy (egress_proxy.py) serve that stream with the sandbox's current rules. The
-rules are read at every connection, so a PUT applies to the next connection at once.
+rules are read at every connection, so a PUT applies to the next connection at once, and
+`rules_changed` cuts the open tunnels the new rules deny. A sandbox may hold at most
+MAX_STREAMS at once: each costs the engine descriptors, which every sandbox shares; the
+agent closes a connection the engine does not take.
 """
 
 from __future__ import annotations
@@ -16,26 +19,36 @@ import logging
 from collections.abc import Callable
 from ipaddress import IPv4Address, IPv6Address
 
-from ..egress_rules import Decision, decide
+from ..egress_rules import Decision, decide, screen_name
 from .agent_client import AgentClient, AgentUnavailable
 from .egress_proxy import EgressProxy
 
 log = logging.getLogger("sandbox_kernel.egress")
 
 RECONNECT_DELAY = 0.5
+MAX_STREAMS = 128  # open egress connections per sandbox (each holds one or two engine descriptors)
 
 
 class EgressGate:
     def __init__(self, agent: Callable[[], AgentClient], rules: Callable[[], list[str]],
-                 blocked: list[tuple[str, int]]) -> None:
+                 blocked_ports: list[int]) -> None:
         self.agent = agent
         self.rules = rules
-        self.proxy = EgressProxy(self._decide, blocked=blocked)
+        self.proxy = EgressProxy(self._decide, screen=self._screen, blocked_ports=blocked_ports)
+        self.refused_streams = 0  # connections not taken: MAX_STREAMS were open
         self.task: asyncio.Task[None] | None = None
         self.streams: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
 
     def _decide(self, host: str | None, address: IPv4Address | IPv6Address, port: int) -> Decision:
         return decide(self.rules(), host, address, port)
+
+    def _screen(self, host: str, port: int) -> Decision | None:
+        return screen_name(self.rules(), host, port)
+
+    def rules_changed(self) -> None:
+        cut = self.proxy.cut_disallowed()
+        if cut:
+            log.info("cut %d egress connections the new rules deny", cut)
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._listen())
@@ -56,6 +69,11 @@ class EgressGate:
                 async with self.agent().connection({"op": "egress_listen"}) as (reader, _):
                     await reader.readline()  # {"ok": true}
                     while line := await reader.readline():
+                        if len(self.streams) >= MAX_STREAMS:
+                            self.refused_streams += 1  # not attached: the agent closes it
+                            if self.refused_streams == 1:
+                                log.warning("a sandbox holds %d egress connections: refusing more", MAX_STREAMS)
+                            continue
                         task = asyncio.get_running_loop().create_task(self._serve(json.loads(line)["stream"]))
                         self.streams.add(task)
                         task.add_done_callback(self.streams.discard)

@@ -5,13 +5,18 @@ outbound streams to `EgressProxy.handle`, which speaks the two protocols program
 ask for a proxy -- an HTTP proxy (``CONNECT host:port`` tunnels and absolute-URI plain-HTTP
 requests) and SOCKS5 (RFC 1928, no auth, CONNECT only) -- told apart by the first byte.
 
-Policy: a requested hostname is resolved *here*, on the host, exactly once per
-connection; every resolved address is put to ``decide(hostname, address, port)`` and the
-proxy connects only to an address that was allowed -- the very IP that was checked, so a
-second DNS answer can never change where the bytes go (no DNS rebinding). An IP literal is
-checked as ``decide(None, ip, port)``. ``blocked`` is a hard deny list of (ip, port) pairs
-no rule can open (the engine's own API). A denied attempt fails fast, without any
-connection attempt, and is recorded in ``denials`` / ``denied_count``.
+Policy, in this order: ``screen(hostname, port)`` first refuses a name that no rule could
+allow whatever it resolves to, *without resolving it* (so a sandbox under block-all sends
+nothing out, not even a DNS query). Otherwise the name is resolved *here*, on the host,
+exactly once per connection; every resolved address is put to
+``decide(hostname, address, port)`` and the proxy connects only to an address that was
+allowed -- the very IP that was checked, so a second DNS answer can never change where the
+bytes go (no DNS rebinding). An IP literal is checked as ``decide(None, ip, port)``.
+``blocked_ports`` are closed on every address of the host itself (loopback, 0.0.0.0, ::,
+its interfaces' addresses, in any spelling) whatever the rules say: the engine's own API.
+A denied attempt fails fast, without any connection attempt, and is recorded in
+``denials`` / ``denied_count``. Tunnels stay registered while they relay: ``cut_disallowed``
+ends those the current rules no longer allow (after a rule change).
 
 Everything stays inside ``handle``: every error path closes both sides, the relay tasks
 are always cancelled and awaited, and no input -- however malformed -- raises out of it.
@@ -39,6 +44,7 @@ log = logging.getLogger(__name__)
 
 IPAddress = IPv4Address | IPv6Address
 Decide = Callable[[str | None, IPAddress, int], Decision]
+Screen = Callable[[str, int], Decision | None]
 Resolve = Callable[[str, int], Awaitable[list[IPAddress]]]
 
 BLOCKED_REASON = "the sandbox engine's API is never reachable from a sandbox"
@@ -58,6 +64,16 @@ SOCKS_REFUSED = 0x05
 SOCKS_TTL_EXPIRED = 0x06
 SOCKS_BAD_COMMAND = 0x07
 SOCKS_BAD_ADDRESS_TYPE = 0x08
+
+
+@dataclass(frozen=True)
+class Tunnel:
+    """An open connection through the proxy, as it was decided."""
+
+    host: str  # as requested
+    hostname: str | None  # normalized name, None for an IP literal
+    address: IPAddress
+    port: int
 
 
 @dataclass
@@ -109,6 +125,20 @@ def _parse_ip(host: str) -> IPAddress | None:
         return None
 
 
+def is_host_address(addr: IPAddress) -> bool:
+    """Whether addr reaches the host itself: loopback, unspecified (which connects to the
+    host), or an address of one of its interfaces (one it can bind)."""
+    if addr.is_loopback or addr.is_unspecified:
+        return True
+    family = socket.AF_INET6 if isinstance(addr, IPv6Address) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((str(addr), 0))
+        except OSError:
+            return False
+    return True
+
+
 async def _default_resolve(host: str, port: int) -> list[IPAddress]:
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -134,18 +164,21 @@ class EgressProxy:
         self,
         decide: Decide,
         *,
+        screen: Screen | None = None,
         resolve: Resolve | None = None,
-        blocked: Iterable[tuple[str, int]] = (),
+        blocked_ports: Iterable[int] = (),
         connect_timeout: float = 10.0,
         keep_denials: int = 50,
-        handshake_timeout: float = 30.0,
+        handshake_timeout: float = 10.0,
     ) -> None:
         self._decide = decide
+        self._screen = screen or (lambda _host, _port: None)
         self._resolve = resolve or _default_resolve
-        # An unspecified address (0.0.0.0 / ::) blocks that port on every address.
-        self._blocked: set[tuple[IPAddress, int]] = set()
-        for host, port in blocked:
-            self._blocked.add((_normalize(ipaddress.ip_address(host)), int(port)))
+        self._blocked_ports = frozenset(blocked_ports)
+        self._tunnels: dict[asyncio.Task, Tunnel] = {}  # the task relaying each open tunnel
+        # A client has handshake_timeout in all to say where it goes: one trickling a byte
+        # at a time would otherwise hold the connection (and the engine's descriptors) forever.
+        self._handshakes: dict[asyncio.Task, asyncio.TimerHandle] = {}
         self.connect_timeout = connect_timeout
         self.handshake_timeout = handshake_timeout
         self.denials: collections.deque[Denial] = collections.deque(maxlen=keep_denials)
@@ -156,6 +189,10 @@ class EgressProxy:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream: asyncio.StreamWriter | None = None
+        task = asyncio.current_task()
+        if task is not None:
+            self._handshakes[task] = asyncio.get_running_loop().call_later(
+                self.handshake_timeout, task.cancel)
         try:
             try:
                 first = await asyncio.wait_for(reader.read(1), self.handshake_timeout)
@@ -172,6 +209,8 @@ class EgressProxy:
         except Exception:  # never let a client's garbage (or our bug) escape
             log.debug("egress connection failed", exc_info=True)
         finally:
+            self._handshake_done()
+            self._tunnels.pop(task, None)  # type: ignore[arg-type]
             await _close(writer)
             if upstream is not None:
                 await _close(upstream)
@@ -184,10 +223,18 @@ class EgressProxy:
         log.info("egress denied: %s: %s", _hostport(host, port), reason)
 
     def _is_blocked(self, addr: IPAddress, port: int) -> bool:
-        if (addr, port) in self._blocked:
-            return True
-        any_addr = IPv4Address("0.0.0.0") if isinstance(addr, IPv4Address) else IPv6Address("::")
-        return (any_addr, port) in self._blocked
+        return port in self._blocked_ports and is_host_address(addr)
+
+    def cut_disallowed(self) -> int:
+        """End every open tunnel the current rules no longer allow; how many were cut."""
+        cut = 0
+        for task, tunnel in list(self._tunnels.items()):
+            decision = self._check_one(tunnel.hostname, tunnel.address, tunnel.port)
+            if not decision.allowed:
+                self._record_denial(tunnel.host, tunnel.port, f"cut after a rule change: {decision.reason}")
+                task.cancel()
+                cut += 1
+        return cut
 
     def _check_one(self, hostname: str | None, addr: IPAddress, port: int) -> Decision:
         if self._is_blocked(addr, port):
@@ -199,8 +246,25 @@ class EgressProxy:
             return Decision(False, f"rule evaluation failed: {type(exc).__name__}")
         return decision
 
-    async def _authorize(self, host: str, port: int) -> list[IPAddress]:
-        """Return the allowed addresses for host:port (in resolver order) or raise."""
+    def _handshake_done(self) -> None:
+        timer = self._handshakes.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+        if timer is not None:
+            timer.cancel()
+
+    async def _open(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Authorize host:port, connect to an allowed address, and register the tunnel."""
+        self._handshake_done()  # the client has said where it goes: resolving and connecting have their own timeouts
+        hostname, addrs = await self._authorize(host, port)
+        up_reader, up_writer = await self._connect_any(addrs, port)
+        peer = _parse_ip(str((up_writer.get_extra_info("peername") or ("",))[0]).split("%", 1)[0])
+        task = asyncio.current_task()
+        if task is not None:
+            self._tunnels[task] = Tunnel(host, hostname, peer or addrs[0], port)
+        return up_reader, up_writer
+
+    async def _authorize(self, host: str, port: int) -> tuple[str | None, list[IPAddress]]:
+        """The normalized name (None for an IP literal) and its allowed addresses for
+        host:port (in resolver order), or raise."""
         if not 1 <= port <= 65535:
             raise _BadRequest(f"bad port {port}")
         literal = _parse_ip(host)
@@ -213,6 +277,13 @@ class EgressProxy:
                 hostname = hostname[:-1]  # "example.com." is "example.com" to the rules
             if not _HOSTNAME_RE.match(hostname):
                 raise _BadRequest(f"bad host name {host!r}")
+            try:
+                refusal = self._screen(hostname, port)
+            except Exception as exc:  # a broken rule refuses, never allows
+                refusal = Decision(False, f"rule evaluation failed: {type(exc).__name__}")
+            if refusal is not None:
+                self._record_denial(host, port, refusal.reason)
+                raise _Denied(refusal.reason)
             addrs = []
             try:
                 resolved = await asyncio.wait_for(self._resolve(hostname, port), self.connect_timeout)
@@ -239,7 +310,7 @@ class EgressProxy:
             self._record_denial(host, port, reason)
             raise _Denied(reason)
         self.allowed_count += 1
-        return allowed
+        return hostname, allowed
 
     async def _connect(self, addr: IPAddress, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """Open the upstream connection to exactly this (already allowed) address."""
@@ -310,8 +381,7 @@ class EgressProxy:
             await self._socks_reply(writer, SOCKS_BAD_COMMAND)
             return None
         try:
-            addrs = await self._authorize(host, port)
-            up_reader, up_writer = await self._connect_any(addrs, port)
+            up_reader, up_writer = await self._open(host, port)
         except _Denied:
             await self._socks_reply(writer, SOCKS_NOT_ALLOWED)
             return None
@@ -394,8 +464,7 @@ class EgressProxy:
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         where = _hostport(host, port)
         try:
-            addrs = await self._authorize(host, port)
-            return await self._connect_any(addrs, port)
+            return await self._open(host, port)
         except _Denied as exc:
             await _http_error(writer, 403, "Forbidden", f"egress denied: {where}: {exc.reason}")
         except _Unreachable as exc:

@@ -12,11 +12,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import secrets
 import shutil
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,7 +34,8 @@ from ..api.models import (
     Shape,
 )
 from ..egress_rules import EgressRuleError, validate as validate_egress
-from .agent_client import AgentClient, AgentError, AgentUnavailable
+from .agent_client import (AgentClient, AgentError, AgentUnavailable, RequestTooLarge, encoded,
+                           exec_request)
 from .egress_gate import EgressGate
 from . import disk, seccomp
 from .bwrap import AGENT_DIR, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
@@ -45,6 +47,7 @@ log = logging.getLogger("sandbox_kernel.engine")
 GUEST_DIR = Path(__file__).with_name("guest")  # files that run inside sandboxes
 AGENT_START_TIMEOUT = 15.0
 DEFAULT_DISK_MIB = 10240
+MAX_DISK_MIB = 1024 * 1024  # 1 TiB: a sparse image costs only what is written, but not without bound
 
 # The same shape ids CreateOS offers, so a kernel configured for one works on the other.
 SHAPES = [Shape(id=f"s-{cpu}vcpu-{label}", vcpu=cpu, mem_mib=mib, default_disk_mib=DEFAULT_DISK_MIB)
@@ -64,6 +67,12 @@ ROOTFS = RootfsCatalog(
 ADJECTIVES = ("brave", "calm", "eager", "fond", "keen", "lucid", "merry", "quiet", "swift", "wise")
 ANIMALS = ("otter", "heron", "lynx", "marten", "newt", "puffin", "stoat", "tapir", "vole", "wren")
 KEEP_DESTROYED = 200
+# Open files per process in a sandbox (soft, hard): the common defaults, whatever the engine
+# has, and a sandbox cannot raise them. The engine raises its own soft limit to its hard
+# one, since all sandboxes' egress connections and execs share its descriptors.
+SANDBOX_NOFILE = (1024, 4096)
+CONSOLE_TAIL = 4096  # bytes kept of what a sandbox writes to bwrap's stdout and stderr
+CONSOLE_RATE = 1024 * 1024  # bytes per second read from there (writers past it wait)
 AUTO_PAUSE_CHECK_SECONDS = 2.0
 TRANSITIONAL = (SandboxStatus.PAUSING, SandboxStatus.RESUMING)
 HEARTBEAT_SECONDS = 5.0  # an idle stream (exec, process connect) gets a heartbeat this often
@@ -91,6 +100,12 @@ class NotFound(EngineError):
     status = 404
 
 
+class TooLarge(EngineError):
+    """An upload that does not fit the sandbox's disk (HTTP's 413 Content Too Large)."""
+
+    status = 413
+
+
 class Conflict(EngineError):
     status = 409
 
@@ -101,6 +116,23 @@ def checked_egress(rules: list[str] | None) -> list[str]:
         return validate_egress(rules)
     except EgressRuleError as exc:
         raise InvalidRequest(str(exc), code="invalid_egress_rule") from None
+
+
+def raise_own_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:  # e.g. an unlimited hard limit above fs.nr_open
+            log.warning("could not raise the open-files limit from %d: %s", soft, exc)
+    log.info("open files limit: %d", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def limit_sandbox_fds() -> None:
+    """In bwrap's process before exec (inherited by all of the sandbox): SANDBOX_NOFILE."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = hard if hard != resource.RLIM_INFINITY else SANDBOX_NOFILE[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, tuple(min(limit, cap) for limit in SANDBOX_NOFILE))
 
 
 def rfc3339(ts: float) -> str:
@@ -126,6 +158,7 @@ class Family:
 
     process: asyncio.subprocess.Process
     founder: str  # the sandbox bwrap was started for; its agent holds the namespace
+    console: ConsoleTail  # what its processes write to the stdout and stderr bwrap was given
     members: set[str] = field(default_factory=set)  # ids of its sandboxes not yet destroyed
     # Host pids that hold the pid namespace: bwrap, its init and the command init runs
     # (the founder's agent). Noted once the agent answers, before any user process exists
@@ -150,6 +183,32 @@ class Family:
                     if line.startswith("NSpid:") and line.split()[-1] == str(ns_pid):
                         return int(entry.name)
         raise LookupError(f"no process {ns_pid} in the sandbox's pid namespace")
+
+
+class ConsoleTail:
+    """Drains the pipe a sandbox got as bwrap's stdout and stderr, keeping only its end.
+
+    bwrap, the disk's mount step and the agent report start failures there. Every process
+    of the sandbox can write to it too (through /proc/<agent>/fd/2), so it is never a host
+    file (that would fill the host's disk past the sandbox's cap) nor held whole: the last
+    CONSOLE_TAIL bytes are kept, and it is read at CONSOLE_RATE at most, so a flood costs
+    the engine little and its writers wait.
+    """
+
+    def __init__(self, pipe: asyncio.StreamReader) -> None:
+        self.tail = b""
+        self.task = asyncio.get_running_loop().create_task(self._drain(pipe))
+
+    async def _drain(self, pipe: asyncio.StreamReader) -> None:
+        while chunk := await pipe.read(64 * 1024):
+            self.tail = (self.tail + chunk)[-CONSOLE_TAIL:]
+            await asyncio.sleep(len(chunk) / CONSOLE_RATE)
+
+    async def last_words(self) -> str:
+        """The end of what was written, once its writers are gone (bwrap exited)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.task), 1.0)
+        return self.tail.decode(errors="replace").strip()
 
 
 def child_pids(pid: int) -> list[int]:
@@ -228,6 +287,7 @@ class Engine:
     def __init__(self, state_dir: Path, bwrap: str | None = None) -> None:
         self.sandbox_root = state_dir / "sandboxes"
         self.sandbox_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        raise_own_fd_limit()
         self.bwrap = bwrap or find_bwrap()
         self.sandboxes: dict[str, LocalSandbox] = {}
         self.last_activity = time.monotonic()
@@ -237,7 +297,8 @@ class Engine:
         self.disk_capped = disk.available()
         self._reap_leftovers()
         self._auto_pauser: asyncio.Task | None = None
-        # The engine's own API addresses: no egress rule may open them to a sandbox.
+        # The engine's own API addresses: no egress rule may open their ports on any
+        # address of the host to a sandbox.
         self.api_addresses: list[tuple[str, int]] = []
         self._fallback: Freezer | None = None  # for a sandbox the freezer could not attach
 
@@ -276,6 +337,8 @@ class Engine:
             raise InvalidRequest(f"unknown shape {request.shape!r}", code="unknown_shape")
         if request.rootfs and request.rootfs not in ROOTFS.rootfs:
             raise InvalidRequest(f"unknown rootfs {request.rootfs!r}", code="unknown_rootfs")
+        if request.disk_mib and request.disk_mib > MAX_DISK_MIB:
+            raise InvalidRequest(f"disk_mib must be at most {MAX_DISK_MIB} (1 TiB)", code="invalid_disk_mib")
         name = request.name or self._free_name()
         if any(sb.name == name and sb.status not in TERMINAL for sb in self.sandboxes.values()):
             raise Conflict(f"a sandbox named {name!r} already exists", code="name_taken")
@@ -313,21 +376,22 @@ class Engine:
             sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd,
             self.limiter.rlimits(sandbox.limits), packages=sandbox.rootfs == LOCAL_ROOTFS)) + "\0"
         args_read, args_write = os.pipe()
-        log_file = open(sandbox.dirs.root / "bwrap.log", "ab")
         try:
-            with log_file:
-                command = launch_command(self.bwrap, args_read, listener.fileno())
-                if self.disk_capped:
-                    command = disk.mounted(command, image, sandbox.dirs.volume)
-                process = await asyncio.create_subprocess_exec(
-                    *command,
-                    pass_fds=(args_read, seccomp_fd, listener.fileno()),
-                    stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+            command = launch_command(self.bwrap, args_read, listener.fileno())
+            if self.disk_capped:
+                command = disk.mounted(command, image, sandbox.dirs.volume)
+            process = await asyncio.create_subprocess_exec(
+                *command,
+                pass_fds=(args_read, seccomp_fd, listener.fileno()),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, preexec_fn=limit_sandbox_fds)
         finally:
             os.close(args_read)
             os.close(seccomp_fd)
             listener.close()  # the agent has its own copy
-        sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id})
+        assert process.stdout is not None
+        sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id},
+                                console=ConsoleTail(process.stdout))
         # bwrap is blocked reading its options: put it into the sandbox's cgroup now, so
         # every process the sandbox ever creates starts inside it.
         self._attach(sandbox, process.pid)
@@ -383,8 +447,7 @@ class Engine:
         assert sandbox.family is not None
         while time.monotonic() < deadline:
             if sandbox.family.process.returncode is not None:
-                log_path = sandbox.dirs.root / "bwrap.log"
-                detail = log_path.read_text(errors="replace").strip() if log_path.exists() else ""
+                detail = await sandbox.family.console.last_words()
                 raise SandboxStartFailed(f"sandbox failed to start: {detail[-500:] or 'bwrap exited'}")
             with contextlib.suppress(AgentUnavailable, FileNotFoundError):
                 await sandbox.agent.ping()
@@ -565,7 +628,8 @@ class Engine:
         log.info("sandbox %s forked from %s (%d ms)", child.id, source.id, child.spawn_ms)
 
     def _open_gate(self, sandbox: LocalSandbox) -> None:
-        sandbox.gate = EgressGate(lambda: sandbox.agent, lambda: sandbox.egress, self.api_addresses)
+        sandbox.gate = EgressGate(lambda: sandbox.agent, lambda: sandbox.egress,
+                                  [port for _, port in self.api_addresses])
         sandbox.gate.start()
 
     def set_egress(self, sandbox_id: str, rules: list[str] | None) -> LocalSandbox:
@@ -574,6 +638,8 @@ class Engine:
         if sandbox.status in TERMINAL or sandbox.status == SandboxStatus.DESTROYING:
             raise NotFound("sandbox not found")
         sandbox.egress = checked_egress(rules)
+        if sandbox.gate:
+            sandbox.gate.rules_changed()
         return sandbox
 
     def patch(self, sandbox_id: str, request: PatchSandboxRequest) -> LocalSandbox:
@@ -641,6 +707,16 @@ class Engine:
 
     # -- work inside a sandbox --------------------------------------------------------
 
+    def check_exec(self, sandbox_id: str, cmd: str, args: list[str],
+                   env: dict[str, str] | None = None) -> None:
+        """400 for a command the sandbox's agent would refuse for its size (before any
+        stream starts, so the answer is a JSend error)."""
+        sandbox = self.running(sandbox_id)
+        try:
+            encoded(exec_request(cmd, args, {**sandbox.envs, **(env or {})}))
+        except RequestTooLarge as exc:
+            raise InvalidRequest(f"exec arguments too large: {exc}", code="request_too_large") from None
+
     async def exec(self, sandbox_id: str, cmd: str, args: list[str], stdin: str = "",
                    env: dict[str, str] | None = None) -> AsyncIterator[dict]:
         """Yield CreateOS exec frames; closing the iterator early kills the command. `stdin`
@@ -658,22 +734,36 @@ class Engine:
             sandbox.active_execs -= 1
             sandbox.touch()
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes) -> int:
+    async def write_file(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes],
+                         size: int | None) -> int:
+        """Stream an upload of `size` bytes (None: unknown) into the sandbox."""
         sandbox = self.running(sandbox_id)
         sandbox.touch()
-        return await self._file_op(sandbox.agent.write_file(path, data))
+        if size is not None and size > sandbox.disk_mib * 1024 * 1024:
+            raise TooLarge(f"{path}: {size} bytes do not fit the sandbox's {sandbox.disk_mib} MiB disk",
+                           code="disk_full")
+        with file_errors():
+            return await sandbox.agent.write_file(path, chunks, size)
 
-    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+    @contextlib.asynccontextmanager
+    async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[tuple[int, AsyncIterator[bytes]]]:
+        """(size, chunks) of a file in the sandbox, streamed while the context is open."""
         sandbox = self.running(sandbox_id)
         sandbox.touch()
-        return await self._file_op(sandbox.agent.read_file(path))
+        with file_errors():
+            async with sandbox.agent.read_file(path) as (size, chunks):
+                yield size, chunks
 
-    @staticmethod
-    async def _file_op(operation):  # type: ignore[no-untyped-def]
-        try:
-            return await operation
-        except AgentError as exc:
-            if exc.code == "not_found":
-                raise NotFound(str(exc), code="file_not_found") from None
-            raise InvalidRequest(str(exc), code=exc.code) from None
+
+@contextlib.contextmanager
+def file_errors() -> Iterator[None]:
+    """The agent's file errors as the HTTP errors CreateOS answers."""
+    try:
+        yield
+    except AgentError as exc:
+        if exc.code == "not_found":
+            raise NotFound(str(exc), code="file_not_found") from None
+        if exc.code == "no_space":
+            raise TooLarge(f"{exc} (the sandbox's disk is full)", code="disk_full") from None
+        raise InvalidRequest(str(exc), code=exc.code) from None
 

@@ -56,6 +56,11 @@ from .engine import HEARTBEAT_SECONDS, ROOTFS, SHAPES, Engine, EngineError, Loca
 log = logging.getLogger("sandbox_kernel.server")
 
 PUBLIC_ROUTES = {"/healthz", "/readyz", "/v1/shapes", "/v1/rootfs"}
+# A buffered exec returns at most this many characters of output (stdout and stderr
+# together; JSON escaping can make the response up to six times that). Past it, output
+# is discarded while the command runs to its end, and `error` says how much was cut.
+MAX_BUFFERED_OUTPUT = 8 * 1024 * 1024
+STREAM_BACKLOG = 16  # exec frames (64 KiB of output each at most) waiting for a slow client
 MAX_PAGE = 500
 DEFAULT_PAGE = 50
 MAX_WAIT_MS = 3_600_000  # the longest kill grace the engine accepts (an hour)
@@ -93,7 +98,11 @@ def create_app(engine: Engine, token: str) -> FastAPI:
                 response.headers["X-Request-Id"] = request_id
                 return response
             engine.touch()
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception:  # answered here: re-raised past this point, it would close the connection
+            log.exception("internal error")
+            response = JSONResponse(envelope.error("internal error", 500), status_code=500)
         response.headers["X-Request-Id"] = request_id
         return response
 
@@ -204,22 +213,12 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/exec")
     async def exec_command(sandbox_id: str, body: ExecRequest,
                            stream: bool = Query(False)) -> Response:
-        engine.running(sandbox_id)  # 404/409 as a JSend error before any stream starts
+        engine.check_exec(sandbox_id, body.cmd, body.args, body.env)  # 400/404/409 before any stream starts
         if stream or body.stream:
             return StreamingResponse(exec_stream(engine, sandbox_id, body),
                                      media_type="application/x-ndjson")
         started = time.monotonic()
-        result = ExecResult(exit_code=-1)
-        stdout: list[str] = []  # joined once at the end: appending to a str is quadratic
-        stderr: list[str] = []
-        async for frame in engine.exec(sandbox_id, body.cmd, body.args, body.stdin or "", body.env):
-            stdout.append(frame.get("stdout", ""))
-            stderr.append(frame.get("stderr", ""))
-            if "error" in frame:
-                result.error = frame["error"]
-            if "exit_code" in frame:
-                result.exit_code = frame["exit_code"]
-        result.stdout, result.stderr = "".join(stdout), "".join(stderr)
+        result = await buffered_exec(engine, sandbox_id, body)
         return jsend(ExecResponse(result=result, exec_ms=(time.monotonic() - started) * 1000))
 
     # -- managed processes (processes.py) ----------------------------------------------
@@ -283,22 +282,55 @@ def create_app(engine: Engine, token: str) -> FastAPI:
                                      timeout_ms=timeout_ms)
         return jsend(ManagedProcess(**reply))
 
-    # -- files ---------------------------------------------------------------------------
+    # -- files: streamed both ways, never held whole ------------------------------------
 
     @app.put("/v1/sandboxes/{sandbox_id}/files")
     async def upload(sandbox_id: str, request: Request, path: str = Query(...)) -> JSONResponse:
         require_absolute(path)
-        data = await request.body()
-        written = await engine.write_file(sandbox_id, path, data)
+        length = request.headers.get("content-length", "")
+        written = await engine.write_file(sandbox_id, path, request.stream(),
+                                          int(length) if length.isdigit() else None)
         return jsend(FileUploadResponse(bytes=written, path=path))
 
     @app.get("/v1/sandboxes/{sandbox_id}/files")
     async def download(sandbox_id: str, path: str = Query(...)) -> Response:
         require_absolute(path)
-        data = await engine.read_file(sandbox_id, path)
-        return Response(content=data, media_type="application/octet-stream")
+        held = contextlib.AsyncExitStack()
+        size, chunks = await held.enter_async_context(engine.read_file(sandbox_id, path))
+        return StreamingResponse(closing_after(chunks, held), media_type="application/octet-stream",
+                                 headers={"Content-Length": str(size)})
 
     return app
+
+
+async def buffered_exec(engine: Engine, sandbox_id: str, body: ExecRequest) -> ExecResult:
+    """Run a command to its end and collect its output, up to MAX_BUFFERED_OUTPUT."""
+    result = ExecResult(exit_code=-1)
+    output: dict[str, list[str]] = {"stdout": [], "stderr": []}  # joined once: += is quadratic
+    kept = cut = 0
+    async for frame in engine.exec(sandbox_id, body.cmd, body.args, body.stdin or "", body.env):
+        for name, parts in output.items():
+            text = frame.get(name, "")
+            room = max(0, MAX_BUFFERED_OUTPUT - kept)
+            if text and room:
+                parts.append(text[:room])
+            kept += min(len(text), room)
+            cut += max(0, len(text) - room)
+        if "error" in frame:
+            result.error = frame["error"]
+        if "exit_code" in frame:
+            result.exit_code = frame["exit_code"]
+    result.stdout, result.stderr = "".join(output["stdout"]), "".join(output["stderr"])
+    if cut:
+        result.error = (f"output truncated: a buffered exec returns at most {MAX_BUFFERED_OUTPUT // 2**20} MiB "
+                        f"of output, {cut} more characters were discarded (a streaming exec returns all)")
+    return result
+
+
+async def closing_after(chunks: AsyncIterator[bytes], held: contextlib.AsyncExitStack) -> AsyncIterator[bytes]:
+    async with held:
+        async for chunk in chunks:
+            yield chunk
 
 
 def egress_view(sandbox: LocalSandbox) -> EgressView:
@@ -321,7 +353,9 @@ async def exec_stream(engine: Engine, sandbox_id: str, body: ExecRequest) -> Asy
     When the client goes away, Starlette closes this generator; the pump task is then
     cancelled, which closes the agent connection, which kills the command.
     """
-    frames: asyncio.Queue[dict | None] = asyncio.Queue()
+    # Bounded: a client slower than the command holds the command back (through the
+    # agent's pipe), instead of the engine holding its output.
+    frames: asyncio.Queue[dict | None] = asyncio.Queue(maxsize=STREAM_BACKLOG)
 
     async def pump() -> None:
         try:

@@ -9,7 +9,8 @@ never the host's. Stdlib only: it runs on the sandbox's Python, not the engine's
 Protocol (unix socket, one request per connection): the engine sends one JSON line,
     {"op": "ping"}
     {"op": "exec", "cmd": str, "args": [str], "env": {str: str}, "stdin_size": N}  + N bytes
-    {"op": "write", "path": "/abs", "size": N}   followed by N raw bytes
+    {"op": "write", "path": "/abs", "size"?: N}   then the raw bytes and EOF (a half-close);
+                                                  with a size, fewer bytes are a failure
     {"op": "read", "path": "/abs"}
     {"op": "fork", "hostname": str, "disk_mib": N, "env": {str: str}}
     {"op": "egress_listen"}
@@ -32,7 +33,8 @@ reach the host otherwise, nor change the rules, which live in the engine.
 Managed processes (processes.py): create/get/kill/wait answer {"ok": true, <process>},
 list {"ok": true, "processes": [...]}, input {"ok": true, "input_seq": N}, the others
 {"ok": true}; connect answers {"ok": true} then CreateOS connect frames until `exit`.
-Failures are {"ok": false, "code": "not_found" | "invalid" | "conflict" | "failed", "error": msg}.
+Failures are {"ok": false, "code": "not_found" | "invalid" | "conflict" | "no_space" | "failed",
+"error": msg}; a write that fails (a full disk) is answered at once, without reading the rest.
 Closing the connection before an exec finishes kills that command's process group,
 as CreateOS does when a client abandons an exec.
 """
@@ -75,6 +77,8 @@ def os_error_code(exc: OSError) -> str:
         return "not_found"
     if exc.errno in (errno.EISDIR, errno.EINVAL, errno.ENAMETOOLONG):
         return "invalid"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return "no_space"
     return "failed"
 
 
@@ -170,24 +174,30 @@ class Agent:
 
     async def write_file(self, request: dict, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:
-        path, size = request.get("path"), request.get("size")
-        if not isinstance(path, str) or not os.path.isabs(path) or not isinstance(size, int):
+        path = request.get("path")
+        if not isinstance(path, str) or not os.path.isabs(path):
             writer.write(failure("invalid", "path must be absolute"))
             return
+        written = 0
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            with os.fdopen(fd, "wb", buffering=0) as out:
+                while True:
+                    chunk = await reader.read(CHUNK)
+                    if not chunk:
+                        break
+                    view = memoryview(chunk)
+                    while view:  # unbuffered: a full disk fails here, not at close
+                        view = view[out.write(view):]
+                    written += len(chunk)
         except OSError as exc:
             writer.write(failure(os_error_code(exc), "%s: %s" % (path, exc.strerror)))
             return
-        remaining = size
-        with os.fdopen(fd, "wb") as out:
-            while remaining:
-                chunk = await reader.read(min(CHUNK, remaining))
-                if not chunk:
-                    raise ConnectionError("upload ended early")
-                out.write(chunk)
-                remaining -= len(chunk)
-        writer.write(frame({"ok": True, "bytes": size}))
+        size = request.get("size")
+        if isinstance(size, int) and written != size:
+            writer.write(failure("invalid", "%s: the upload ended after %d of %d bytes" % (path, written, size)))
+            return
+        writer.write(frame({"ok": True, "bytes": written}))
 
     async def read_file(self, request: dict, writer: asyncio.StreamWriter) -> None:
         path = request.get("path")
