@@ -36,7 +36,8 @@ from ..egress_rules import EgressRuleError, validate as validate_egress
 from .agent_client import AgentClient, AgentError, AgentUnavailable
 from .egress_gate import EgressGate
 from . import disk, seccomp
-from .bwrap import AGENT_DIR, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
+from .bwrap import AGENT_DIR, STAGE, Handover, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
+from .hostuser import HostUser, allocate as allocate_host_user, needs_own_user
 from .freezer import CgroupV2Freezer, Freezer, Handle, SignalFreezer, select as select_freezer
 from .limits import Applied, Limits, select as select_limiter
 
@@ -187,6 +188,7 @@ class LocalSandbox:
     freezer: Freezer | None = None
     frozen: Handle | None = None
     limited: Applied | None = None  # the shape's limits as held on this host
+    host_user: HostUser | None = None  # the host uid it runs as, when the engine is root
     transition: asyncio.Task | None = None
     # Auto-pause: last exec/file request (monotonic) and execs still streaming.
     last_activity: float = field(default_factory=time.monotonic)
@@ -302,29 +304,39 @@ class Engine:
     async def _start(self, sandbox: LocalSandbox) -> None:
         started = time.monotonic()
         sandbox.dirs.root.mkdir(mode=0o700, parents=True)
-        sandbox.dirs.create(hostname="sandbox")
+        sandbox.dirs.create()
+        if needs_own_user():
+            sandbox.host_user = allocate_host_user(
+                {sb.host_user.uid for sb in self.sandboxes.values() if sb.host_user})
+            sandbox.host_user.give(sandbox.dirs.workspace, sandbox.dirs.tmp)
         image = sandbox.dirs.root / "disk.img"
         if self.disk_capped:
             await asyncio.to_thread(disk.create, image, sandbox.dirs.volume, sandbox.disk_mib)
         listener = self._agent_listener(sandbox.dirs)
         seccomp_fd = seccomp.program_fd()
-        arguments = "\0".join(bwrap_arguments(
-            sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd,
-            self.limiter.rlimits(sandbox.limits), packages=sandbox.rootfs == LOCAL_ROOTFS)) + "\0"
+        fds = Handover(stage=sandbox.host_user is not None)
         args_read, args_write = os.pipe()
-        log_file = open(sandbox.dirs.root / "bwrap.log", "ab")
         try:
-            with log_file:
-                command = launch_command(self.bwrap, args_read, listener.fileno())
-                if self.disk_capped:
-                    command = disk.mounted(command, image, sandbox.dirs.volume)
+            arguments = "\0".join(bwrap_arguments(
+                sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd, fds,
+                self.limiter.rlimits(sandbox.limits), packages=sandbox.rootfs == LOCAL_ROOTFS)) + "\0"
+            command = launch_command(fds.reachable(self.bwrap), args_read, listener.fileno())
+            if sandbox.host_user:
+                command = sandbox.host_user.launcher(STAGE, fds.staged, command)
+            if self.disk_capped:  # mounted as root, before the drop to the sandbox's user
+                command = disk.mounted(command, image, sandbox.dirs.volume)
+            with open(sandbox.dirs.root / "bwrap.log", "ab") as log_file:
                 process = await asyncio.create_subprocess_exec(
                     *command,
-                    pass_fds=(args_read, seccomp_fd, listener.fileno()),
+                    pass_fds=(args_read, seccomp_fd, listener.fileno(), *fds.fds),
                     stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+        except BaseException:
+            os.close(args_write)
+            raise
         finally:
             os.close(args_read)
             os.close(seccomp_fd)
+            fds.close()
             listener.close()  # the agent has its own copy
         sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id})
         # bwrap is blocked reading its options: put it into the sandbox's cgroup now, so
@@ -520,7 +532,8 @@ class Engine:
             envs=dict(source.envs if request.envs is None else request.envs),
             egress=list(source.egress) if request.egress is None else checked_egress(request.egress),
             auto_pause_after_seconds=source.auto_pause_after_seconds, disk_mib=source.disk_mib,
-            rootfs=source.rootfs, family=source.family, forked_from=source.id)
+            rootfs=source.rootfs, family=source.family, forked_from=source.id,
+            host_user=source.host_user)
         assert source.family is not None
         source.family.members.add(child.id)
         self.sandboxes[child.id] = child
