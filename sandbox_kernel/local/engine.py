@@ -136,6 +136,15 @@ class Family:
         init = child_pids(self.process.pid)
         self.keepers = {self.process.pid, *init, *(p for i in init for p in child_pids(i))}
 
+    def check_fork_members(self, agent_pid: int, followers: list[int]) -> None:
+        """Refuse a fork whose processes, as the source's agent reported them, are not all
+        in the fork's mount namespace or include a keeper: they go into the fork's cgroups,
+        and the agent got the follower pids from registrations code in the sandbox writes."""
+        fork_root = os.readlink(f"/proc/{agent_pid}/ns/mnt")
+        for pid in (agent_pid, *followers):
+            if pid in self.keepers or os.readlink(f"/proc/{pid}/ns/mnt") != fork_root:
+                raise EngineError(f"fork: process {pid} is not the new sandbox's")
+
     def host_pid(self, ns_pid: int) -> int:
         """The host pid of the family process known inside as ns_pid."""
         init = child_pids(self.process.pid)
@@ -557,6 +566,7 @@ class Engine:
                                                 env={"SANDBOX_ID": child.id})
                 agent_pid = source.family.host_pid(reply["pid"])
                 followers = [source.family.host_pid(pid) for pid in reply["followers"]]
+                source.family.check_fork_members(agent_pid, followers)
                 self._attach(child, agent_pid, *followers)
             finally:
                 await asyncio.to_thread(source.freezer.freeze, source.frozen)
