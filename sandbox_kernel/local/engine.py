@@ -299,9 +299,9 @@ class Engine:
         self._start_auto_pauser()
         try:
             await self._start(sandbox)
-        except Exception:
+        except BaseException:  # a cancelled create (client gone) is cleaned up too
             sandbox.status = SandboxStatus.FAILED
-            await self._stop(sandbox)
+            await asyncio.shield(self._stop(sandbox))
             raise
         return sandbox
 

@@ -117,7 +117,12 @@ def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def _remove(cgroup: Path, procs: list[int] | None = None) -> None:
-    """rmdir the cgroup once its processes are gone (they may take a moment to exit)."""
+    """rmdir the cgroup once its processes are gone (they may take a moment to exit), and
+    first the cgroups made under it (code in a sandbox whose cgroup it may write, e.g. in
+    a delegated subtree, can make some): a cgroup with children would never be empty."""
+    with contextlib.suppress(OSError):
+        for child in [entry for entry in cgroup.iterdir() if entry.is_dir()]:
+            _remove(child)
     deadline = time.monotonic() + EMPTY_TIMEOUT
     while True:
         try:
@@ -231,6 +236,13 @@ class CgroupV2Freezer(CgroupFreezer):
 
     def describe(self) -> str:
         return f"cgroup v2 freezer ({self.parent})"
+
+    def attach(self, sandbox_id: str, pid: int, *more: int) -> Handle:
+        handle = super().attach(sandbox_id, pid, *more)
+        assert handle.cgroup is not None
+        with contextlib.suppress(OSError):  # no cgroups of its own below the sandbox's
+            _write(handle.cgroup / "cgroup.max.descendants", "0")
+        return handle
 
     @classmethod
     def candidates(cls) -> list[Path]:
