@@ -13,8 +13,8 @@ Chosen once when the engine starts (probed for real, like the freezer):
   RLIMIT_DATA per process (RLIMIT_AS would break programs that reserve large address
   ranges); processes are RLIMIT_NPROC, counted per user in the sandbox's own user
   namespace on Linux >= 5.14 (older kernels count every process of the host user, so it
-  is not set there; nor when the engine runs as root, whose processes it does not
-  bind). CPU has no rlimit that suits a long-lived kernel (RLIMIT_CPU kills).
+  is not set there, unless the engine runs as root: then each sandbox is a host user of
+  its own). CPU has no rlimit that suits a long-lived kernel (RLIMIT_CPU kills).
 
 Each limit is enforced by the first of these that works, or reported as not enforced.
 `SANDBOX_KERNEL_LIMITS=rlimit` skips the cgroups (default `auto`).
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .freezer import GROUP, _move, _read, _remove, _write
+from .hostuser import needs_own_user
 
 log = logging.getLogger("sandbox_kernel.limits")
 
@@ -117,10 +118,10 @@ def _enable_v2_controllers(parent: Path) -> set[str]:
 
 def nproc_rlimit_is_per_sandbox() -> bool:
     """RLIMIT_NPROC counts per user namespace from Linux 5.14 (ucounts), per host uid before.
-    It does not bind at all when the sandbox's user is root on the host (seen on 6.18:
-    3,000 forks past a limit of 512), i.e. when the engine runs as root."""
-    if os.geteuid() == 0:
-        return False
+    An engine run as root gives each sandbox a host uid of its own (hostuser.py): then it
+    is per sandbox on any kernel (a fork shares its source's)."""
+    if needs_own_user():
+        return True
     with contextlib.suppress(ValueError):
         major, minor = (int(part) for part in platform.release().split(".")[:2])
         return (major, minor) >= (5, 14)

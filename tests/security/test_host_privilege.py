@@ -155,7 +155,8 @@ async def test_docker_denied_calls_are_denied_too(client: SandboxClient, sandbox
     if platform.machine() != "x86_64":
         pytest.skip("syscall numbers listed for x86_64")
     # Arguments a kernel would accept or refuse with another errno than EPERM.
-    args = {"sysfs": (3, 0, 0), "get_mempolicy": (0, 0, 0, 0, 0), "set_mempolicy": (0, 0, 0)}.get(name, (0, 0, 0))
+    args = {"sysfs": (3, 0, 0), "get_mempolicy": (0, 0, 0, 0, 0), "set_mempolicy": (0, 0, 0),
+            "move_pages": (0, 1, 0, 0, 0, 0)}.get(name, (0, 0, 0))
     found = await run(client, sandbox, f"""
 import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
@@ -312,6 +313,8 @@ async def test_a_cancelled_create_leaves_nothing_behind(tmp_path: Path) -> None:
     creating.cancel()
     with pytest.raises(asyncio.CancelledError):
         await creating
-    await engine.close()
-    assert list(engine.sandbox_root.iterdir()) == []
-    assert sandbox_pids(made[0].name) == []
+    try:
+        assert list(engine.sandbox_root.iterdir()) == []
+        assert sandbox_pids(made[0].name) == []
+    finally:
+        await engine.close()
