@@ -177,8 +177,10 @@ print(json.dumps({'out': done.stdout, 'err': done.stderr}))
 """)
     if "MOUNTED" not in found["out"]:
         pytest.skip("no cgroup2 hierarchy to mount here: " + found["err"][-200:])
-    assert "MADE" not in found["out"], found  # the host's cgroup dirs are not the sandbox's to write
-    assert "Permission denied" in found["err"] or "Read-only" in found["err"], found
+    # Not the sandbox's to write: the host's cgroups are root's; a cgroup delegated to the
+    # engine's user allows the sandbox no descendant (its processes sit in the only one).
+    assert "MADE" not in found["out"], found
+    assert any(why in found["err"] for why in ("Permission denied", "Read-only", "Resource temporarily")), found
 
 
 async def test_cell_code_cannot_reach_its_agent(client: SandboxClient, sandbox: str) -> None:
