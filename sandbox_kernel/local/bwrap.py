@@ -213,10 +213,10 @@ def proxy_env() -> dict[str, str]:
 
 
 def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path, seccomp_fd: int,
-                    fds: Handover, rlimits: str = "", packages: bool = True) -> list[str]:
+                    handover: Handover, rlimits: str = "", packages: bool = True) -> list[str]:
     """bwrap's options for one sandbox (the command is in launch_command).
 
-    seccomp_fd: a readable fd holding the BPF filter (seccomp.py); fds: the data and host
+    seccomp_fd: a readable fd holding the BPF filter (seccomp.py); handover: the data and host
     paths the options refer to (the caller hands them to bwrap); rlimits: what the agent must set
     on itself when no cgroup holds the limits (limits.Limiter.rlimits); packages: False
     hides the Python environment's installed packages (stdlib only)."""
@@ -241,22 +241,22 @@ def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path, seccomp
         if (Path("/etc") / name).exists():
             cmd += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
     for name, content in etc_files(hostname).items():
-        cmd += ["--ro-bind-data", fds.data(content.encode()), f"/etc/{name}"]
+        cmd += ["--ro-bind-data", handover.data(content.encode()), f"/etc/{name}"]
     # Writable places first, so read-only mounts below may sit on top of them. The agent
     # serves a socket the engine bound outside (launch_command): its directory inside is
     # empty and read-only, so nothing in the sandbox can put a socket of its own there.
-    cmd += ["--bind", fds.path(dirs.workspace), WORKSPACE,
-            "--bind", fds.path(dirs.tmp), "/tmp",
+    cmd += ["--bind", handover.path(dirs.workspace), WORKSPACE,
+            "--bind", handover.path(dirs.tmp), "/tmp",
             "--tmpfs", AGENT_DIR, "--remount-ro", AGENT_DIR,
             "--dir", FORKABLE_DIR]
     for root in python_roots():
-        cmd += ["--ro-bind", fds.path(root), root]
+        cmd += ["--ro-bind", handover.path(root), root]
     if not packages:
         for directory in package_dirs():
             cmd += ["--tmpfs", directory, "--remount-ro", directory]
     cmd += ["--tmpfs", GUEST_DIR]
     for program in sorted(guest_dir.glob("*.py")):
-        cmd += ["--ro-bind-data", fds.data(program.read_bytes()), f"{GUEST_DIR}/{program.name}"]
+        cmd += ["--ro-bind-data", handover.data(program.read_bytes()), f"{GUEST_DIR}/{program.name}"]
     cmd += ["--remount-ro", GUEST_DIR,
             "--chdir", WORKSPACE, "--clearenv", "--seccomp", str(seccomp_fd)]
     env = sandbox_env(sandbox_id, python_bin)

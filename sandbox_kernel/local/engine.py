@@ -323,21 +323,21 @@ class Engine:
             await asyncio.to_thread(disk.create, image, sandbox.dirs.volume, sandbox.disk_mib)
         listener = self._agent_listener(sandbox.dirs)
         seccomp_fd = seccomp.program_fd()
-        fds = Handover(stage=sandbox.host_user is not None)
+        handover = Handover(stage=sandbox.host_user is not None)
         args_read, args_write = os.pipe()
         try:
             arguments = "\0".join(bwrap_arguments(
-                sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd, fds,
+                sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd, handover,
                 self.limiter.rlimits(sandbox.limits), packages=sandbox.rootfs == LOCAL_ROOTFS)) + "\0"
-            command = launch_command(fds.reachable(self.bwrap), args_read, listener.fileno())
+            command = launch_command(handover.reachable(self.bwrap), args_read, listener.fileno())
             if sandbox.host_user:
-                command = sandbox.host_user.launcher(STAGE, fds.staged, command)
+                command = sandbox.host_user.launcher(STAGE, handover.staged, command)
             if self.disk_capped:  # mounted as root, before the drop to the sandbox's user
                 command = disk.mounted(command, image, sandbox.dirs.volume)
             with open(sandbox.dirs.root / "bwrap.log", "ab") as log_file:
                 process = await asyncio.create_subprocess_exec(
                     *command,
-                    pass_fds=(args_read, seccomp_fd, listener.fileno(), *fds.fds),
+                    pass_fds=(args_read, seccomp_fd, listener.fileno(), *handover.fds),
                     stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
         except BaseException:
             os.close(args_write)
@@ -345,7 +345,7 @@ class Engine:
         finally:
             os.close(args_read)
             os.close(seccomp_fd)
-            fds.close()
+            handover.close()
             listener.close()  # the agent has its own copy
         sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id})
         # bwrap is blocked reading its options: put it into the sandbox's cgroup now, so
@@ -364,8 +364,9 @@ class Engine:
 
     @staticmethod
     def _agent_listener(dirs: SandboxDirs) -> socket.socket:
-        """The agent's listening socket, made here: its directory is read-only inside the
-        sandbox, so sandboxed code cannot swap in a socket of its own."""
+        """The agent's listening socket, made here and inherited by the agent: its directory
+        is on the host, out of the sandbox's reach, so sandboxed code cannot swap in a
+        socket of its own."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         dir_fd = os.open(dirs.agent, os.O_PATH)  # as AgentClient: past the sun_path limit
         try:
