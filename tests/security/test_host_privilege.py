@@ -230,17 +230,11 @@ print(json.dumps({{'ready': forger.stdout.readline().decode().strip(),
     await client.pause_sandbox(sandbox)
     await wait_status(client, sandbox, SandboxStatus.PAUSED)
     child = (await client.fork_sandbox(sandbox)).id
-    deadline_statuses = (SandboxStatus.RUNNING, SandboxStatus.FAILED)
-    view = await client.get_sandbox(child)
-    for _ in range(300):
-        if view.status in deadline_statuses:
-            break
-        import asyncio
-        await asyncio.sleep(0.1)
-        view = await client.get_sandbox(child)
-    assert view.status in deadline_statuses
-    if view.status == SandboxStatus.RUNNING:
+    try:
+        await wait_status(client, child, SandboxStatus.FAILED, timeout=60)  # refused, as a whole
+    finally:
         await client.delete_sandbox(child)
+    await wait_status(client, sandbox, SandboxStatus.PAUSED)
     await client.resume_sandbox(sandbox)
     await wait_status(client, sandbox, SandboxStatus.RUNNING)
     result = (await client.exec(sandbox, "echo", ["agent still answers"])).result
