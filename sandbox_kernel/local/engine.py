@@ -38,7 +38,8 @@ from .agent_client import (AgentClient, AgentError, AgentUnavailable, RequestToo
                            exec_request)
 from .egress_gate import EgressGate
 from . import disk, seccomp
-from .bwrap import AGENT_DIR, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
+from .bwrap import AGENT_DIR, STAGE, Handover, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
+from .hostuser import HostUser, allocate as allocate_host_user, needs_own_user
 from .freezer import CgroupV2Freezer, Freezer, Handle, SignalFreezer, select as select_freezer
 from .limits import Applied, Limits, select as select_limiter
 
@@ -169,6 +170,15 @@ class Family:
         init = child_pids(self.process.pid)
         self.keepers = {self.process.pid, *init, *(p for i in init for p in child_pids(i))}
 
+    def check_fork_members(self, agent_pid: int, followers: list[int]) -> None:
+        """Refuse a fork whose processes, as the source's agent reported them, are not all
+        in the fork's mount namespace or include a keeper: they go into the fork's cgroups,
+        and the agent got the follower pids from registrations code in the sandbox writes."""
+        fork_root = os.readlink(f"/proc/{agent_pid}/ns/mnt")
+        for pid in (agent_pid, *followers):
+            if pid in self.keepers or os.readlink(f"/proc/{pid}/ns/mnt") != fork_root:
+                raise EngineError(f"fork: process {pid} is not the new sandbox's")
+
     def host_pid(self, ns_pid: int) -> int:
         """The host pid of the family process known inside as ns_pid."""
         init = child_pids(self.process.pid)
@@ -247,6 +257,7 @@ class LocalSandbox:
     freezer: Freezer | None = None
     frozen: Handle | None = None
     limited: Applied | None = None  # the shape's limits as held on this host
+    host_user: HostUser | None = None  # the host uid it runs as, when the engine is root
     transition: asyncio.Task | None = None
     # Auto-pause: last exec/file request (monotonic) and execs still streaming.
     last_activity: float = field(default_factory=time.monotonic)
@@ -352,9 +363,9 @@ class Engine:
         self._start_auto_pauser()
         try:
             await self._start(sandbox)
-        except Exception:
+        except BaseException:  # a cancelled create (client gone) is cleaned up too
             sandbox.status = SandboxStatus.FAILED
-            await self._stop(sandbox)
+            await asyncio.shield(self._stop(sandbox))
             raise
         return sandbox
 
@@ -366,28 +377,39 @@ class Engine:
     async def _start(self, sandbox: LocalSandbox) -> None:
         started = time.monotonic()
         sandbox.dirs.root.mkdir(mode=0o700, parents=True)
-        sandbox.dirs.create(hostname="sandbox")
+        sandbox.dirs.create()
+        if needs_own_user():
+            sandbox.host_user = allocate_host_user(
+                {sb.host_user.uid for sb in self.sandboxes.values() if sb.host_user})
+            sandbox.host_user.give(sandbox.dirs.workspace, sandbox.dirs.tmp)
         image = sandbox.dirs.root / "disk.img"
         if self.disk_capped:
             await asyncio.to_thread(disk.create, image, sandbox.dirs.volume, sandbox.disk_mib)
         listener = self._agent_listener(sandbox.dirs)
         seccomp_fd = seccomp.program_fd()
-        arguments = "\0".join(bwrap_arguments(
-            sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd,
-            self.limiter.rlimits(sandbox.limits), packages=sandbox.rootfs == LOCAL_ROOTFS)) + "\0"
+        handover = Handover(stage=sandbox.host_user is not None)
         args_read, args_write = os.pipe()
         try:
-            command = launch_command(self.bwrap, args_read, listener.fileno())
-            if self.disk_capped:
+            arguments = "\0".join(bwrap_arguments(
+                sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd, handover,
+                self.limiter.rlimits(sandbox.limits), packages=sandbox.rootfs == LOCAL_ROOTFS)) + "\0"
+            command = launch_command(handover.reachable(self.bwrap), args_read, listener.fileno())
+            if sandbox.host_user:
+                command = sandbox.host_user.launcher(STAGE, handover.staged, command)
+            if self.disk_capped:  # mounted as root, before the drop to the sandbox's user
                 command = disk.mounted(command, image, sandbox.dirs.volume)
             process = await asyncio.create_subprocess_exec(
                 *command,
-                pass_fds=(args_read, seccomp_fd, listener.fileno()),
+                pass_fds=(args_read, seccomp_fd, listener.fileno(), *handover.fds),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, preexec_fn=limit_sandbox_fds)
+        except BaseException:
+            os.close(args_write)
+            raise
         finally:
             os.close(args_read)
             os.close(seccomp_fd)
+            handover.close()
             listener.close()  # the agent has its own copy
         assert process.stdout is not None
         sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id},
@@ -408,8 +430,9 @@ class Engine:
 
     @staticmethod
     def _agent_listener(dirs: SandboxDirs) -> socket.socket:
-        """The agent's listening socket, made here: its directory is read-only inside the
-        sandbox, so sandboxed code cannot swap in a socket of its own."""
+        """The agent's listening socket, made here and inherited by the agent: its directory
+        is on the host, out of the sandbox's reach, so sandboxed code cannot swap in a
+        socket of its own."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         dir_fd = os.open(dirs.agent, os.O_PATH)  # as AgentClient: past the sun_path limit
         try:
@@ -584,7 +607,8 @@ class Engine:
             envs=dict(source.envs if request.envs is None else request.envs),
             egress=list(source.egress) if request.egress is None else checked_egress(request.egress),
             auto_pause_after_seconds=source.auto_pause_after_seconds, disk_mib=source.disk_mib,
-            rootfs=source.rootfs, family=source.family, forked_from=source.id)
+            rootfs=source.rootfs, family=source.family, forked_from=source.id,
+            host_user=source.host_user)
         assert source.family is not None
         source.family.members.add(child.id)
         self.sandboxes[child.id] = child
@@ -608,6 +632,7 @@ class Engine:
                                                 env={"SANDBOX_ID": child.id})
                 agent_pid = source.family.host_pid(reply["pid"])
                 followers = [source.family.host_pid(pid) for pid in reply["followers"]]
+                source.family.check_fork_members(agent_pid, followers)
                 self._attach(child, agent_pid, *followers)
             finally:
                 await asyncio.to_thread(source.freezer.freeze, source.frozen)

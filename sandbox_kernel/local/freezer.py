@@ -34,6 +34,7 @@ FREEZE_TIMEOUT = 10.0
 EMPTY_TIMEOUT = 10.0
 POLL = 0.01
 GROUP = "sandbox-kernel"
+LEAF = "processes"  # cgroup v2: where a sandbox's processes live, under its own cgroup
 CHOICES = ("auto", "cgroup-v2", "cgroup-v1", "signal")
 
 
@@ -111,13 +112,31 @@ def _procs(cgroup: Path) -> list[int]:
     return []
 
 
+def _tree(cgroup: Path) -> list[Path]:
+    """The cgroup and every cgroup under it."""
+    found = [cgroup]
+    with contextlib.suppress(OSError):
+        for entry in cgroup.iterdir():
+            if entry.is_dir():
+                found += _tree(entry)
+    return found
+
+
 def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
 
 
 def _remove(cgroup: Path, procs: list[int] | None = None) -> None:
-    """rmdir the cgroup once its processes are gone (they may take a moment to exit)."""
+    """rmdir the cgroup once its processes are gone (they may take a moment to exit), and
+    first the cgroups made under it (code in a sandbox whose cgroup it may write, e.g. in
+    a delegated subtree, can make some): a cgroup with children would never be empty."""
+    for child in _tree(cgroup)[1:][::-1]:  # deepest first
+        _remove_one(child)
+    _remove_one(cgroup)
+
+
+def _remove_one(cgroup: Path) -> None:
     deadline = time.monotonic() + EMPTY_TIMEOUT
     while True:
         try:
@@ -212,8 +231,9 @@ class CgroupFreezer(Freezer):
         if (handle.cgroup / "cgroup.kill").exists():  # v2 (5.14+): the whole cgroup at once
             with contextlib.suppress(OSError):
                 _write(handle.cgroup / "cgroup.kill", "1")
-        for pid in _procs(handle.cgroup):
-            _kill(pid)
+        for cgroup in _tree(handle.cgroup):
+            for pid in _procs(cgroup):
+                _kill(pid)
         # A v1-frozen task dies only once thawed; a v2 one is woken by the signal, but
         # thaw anyway so nothing waits on us.
         self.thaw(handle)
@@ -231,6 +251,22 @@ class CgroupV2Freezer(CgroupFreezer):
 
     def describe(self) -> str:
         return f"cgroup v2 freezer ({self.parent})"
+
+    def attach(self, sandbox_id: str, pid: int, *more: int) -> Handle:
+        """The sandbox's cgroup holds its freeze and limits; its processes live in a leaf
+        under it, where their cgroup namespace starts. So code in the sandbox sees (and,
+        in a subtree delegated to the user it runs as, could write) only the leaf's files,
+        never the limits, and cannot make a cgroup of its own: one descendant allowed."""
+        self.parent.mkdir(exist_ok=True)
+        cgroup = self.parent / sandbox_id
+        cgroup.mkdir()
+        try:
+            _write(cgroup / "cgroup.max.descendants", "1")
+            _new_cgroup(cgroup / LEAF, (pid, *more))
+        except OSError:
+            _remove(cgroup)
+            raise
+        return Handle(sandbox_id, pid, cgroup, more)
 
     @classmethod
     def candidates(cls) -> list[Path]:

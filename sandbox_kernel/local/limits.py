@@ -6,15 +6,17 @@ Chosen once when the engine starts (probed for real, like the freezer):
   memory, cpu and pids hierarchies, at /sys/fs/cgroup/<controller>/sandbox-kernel/<id>,
   next to the v1 freezer's. The engine moves bwrap into them before bwrap reads its
   options, so every process of the sandbox, and of its forks, starts inside.
-- cgroup v2: the limits go into the sandbox's freezer cgroup (a process has exactly one
-  v2 cgroup), once the memory, cpu and pids controllers are enabled for its parent.
+- cgroup v2: the limits go into the sandbox's freezer cgroup (its processes live in a leaf
+  under it, see freezer.CgroupV2Freezer.attach), once the memory, cpu and pids controllers
+  are enabled for its parent: under the host's root cgroup (root), or under the engine's
+  own cgroup when that is delegated to its user (_hand_down_from_delegated).
 - rlimits, when no cgroup can be made (a normal user without delegation): the agent sets
   them on itself as the sandbox starts, so they hold for everything it spawns. Memory is
   RLIMIT_DATA per process (RLIMIT_AS would break programs that reserve large address
   ranges); processes are RLIMIT_NPROC, counted per user in the sandbox's own user
   namespace on Linux >= 5.14 (older kernels count every process of the host user, so it
-  is not set there; nor when the engine runs as root, whose processes it does not
-  bind). CPU has no rlimit that suits a long-lived kernel (RLIMIT_CPU kills).
+  is not set there, unless the engine runs as root: then each sandbox is a host user of
+  its own). CPU has no rlimit that suits a long-lived kernel (RLIMIT_CPU kills).
 
 Each limit is enforced by the first of these that works, or reported as not enforced.
 `SANDBOX_KERNEL_LIMITS=rlimit` skips the cgroups (default `auto`).
@@ -29,7 +31,8 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .freezer import GROUP, _move, _read, _remove, _write
+from .freezer import GROUP, _cgroup2_mount, _move, _read, _remove, _write
+from .hostuser import needs_own_user
 
 log = logging.getLogger("sandbox_kernel.limits")
 
@@ -104,9 +107,34 @@ def _oom_kills(events: Path) -> int:
     return 0
 
 
+def _hand_down_from_delegated(own: Path, wanted: set[str]) -> None:
+    """When the engine's parent cgroup for sandboxes lies in the engine's own cgroup and that
+    is delegated to the engine's (non-root) user (e.g. an app started with `systemd-run
+    --user --scope -p Delegate=yes`), hand the controllers down from it. cgroup v2 allows
+    that only while it holds no process itself, so its processes (the engine, and the app
+    that started it) move to a leaf of their own first, as systemd expects of a delegatee."""
+    if os.geteuid() == 0 or own == _cgroup2_mount() or own.stat().st_uid != os.geteuid():
+        return  # never touch the host's cgroups, nor ones not given to us
+    missing = (set(_read(own / "cgroup.controllers").split()) & wanted) - set(
+        _read(own / "cgroup.subtree_control").split())
+    if not missing:
+        return
+    if _read(own / "cgroup.procs").split():
+        leaf = own / "engine"
+        leaf.mkdir(exist_ok=True)
+        for pid in _read(own / "cgroup.procs").split():
+            with contextlib.suppress(OSError):  # it may have exited meanwhile
+                _write(leaf / "cgroup.procs", pid)
+    for controller in sorted(missing):
+        with contextlib.suppress(OSError):
+            _write(own / "cgroup.subtree_control", "+" + controller)
+
+
 def _enable_v2_controllers(parent: Path) -> set[str]:
     """Enable memory, cpu and pids for the children of `parent`; the ones that took."""
     wanted = {MEMORY, CPU, PIDS}
+    with contextlib.suppress(OSError):
+        _hand_down_from_delegated(parent.parent, wanted)
     available = set(_read(parent / "cgroup.controllers").split()) & wanted
     enabled = set(_read(parent / "cgroup.subtree_control").split())
     for controller in sorted(available - enabled):
@@ -117,10 +145,10 @@ def _enable_v2_controllers(parent: Path) -> set[str]:
 
 def nproc_rlimit_is_per_sandbox() -> bool:
     """RLIMIT_NPROC counts per user namespace from Linux 5.14 (ucounts), per host uid before.
-    It does not bind at all when the sandbox's user is root on the host (seen on 6.18:
-    3,000 forks past a limit of 512), i.e. when the engine runs as root."""
-    if os.geteuid() == 0:
-        return False
+    An engine run as root gives each sandbox a host uid of its own (hostuser.py): then it
+    is per sandbox on any kernel (a fork shares its source's)."""
+    if needs_own_user():
+        return True
     with contextlib.suppress(ValueError):
         major, minor = (int(part) for part in platform.release().split(".")[:2])
         return (major, minor) >= (5, 14)

@@ -21,6 +21,12 @@ and closes the ones a user namespace does not:
 - ptrace, process_vm_readv, process_vm_writev, kcmp: a fork and its source run as the
   same user in one pid namespace, so without this one could read and write the other's
   memory. Debuggers (gdb, strace, py-spy) do not work in a sandbox because of it;
+- what Docker's default profile also denies: name_to_handle_at (the other half of
+  open_by_handle_at), move_pages, get_mempolicy and set_mempolicy (NUMA placement: libnuma
+  reads EPERM as "no NUMA", nothing in a sandbox needs it), open_tree and mount_setattr
+  (the new mount API's way to copy and reflag mounts) and fsconfig (configuring a new
+  filesystem instance), sysfs and ustat (obsolete filesystem queries). The fork path
+  (nsfork.py) uses mount(2), never these;
 - ioctl TIOCSTI and TIOCLINUX (pushing keystrokes into a terminal);
 - personality() other than the default and the 32-bit/uname26 variants (e.g. turning
   off address-space randomization);
@@ -63,6 +69,8 @@ BLOCKED = (
     "add_key", "request_key", "keyctl",
     "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "open_by_handle_at", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+    "name_to_handle_at", "move_pages", "get_mempolicy", "set_mempolicy", "open_tree",
+    "fsconfig", "mount_setattr", "sysfs", "ustat",
 )
 
 # (AUDIT_ARCH_*, syscall numbers); calls an architecture does not have are simply absent.
@@ -76,7 +84,10 @@ ARCHITECTURES: dict[str, tuple[int, dict[str, int]]] = {
         "keyctl": 250, "perf_event_open": 298, "open_by_handle_at": 304, "clock_adjtime": 305,
         "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "finit_module": 313,
         "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425,
-        "io_uring_enter": 426, "io_uring_register": 427}),
+        "io_uring_enter": 426, "io_uring_register": 427,
+        "ustat": 136, "sysfs": 139, "set_mempolicy": 238, "get_mempolicy": 239,
+        "move_pages": 279, "name_to_handle_at": 303, "open_tree": 428, "fsconfig": 431,
+        "mount_setattr": 442}),
     "aarch64": (0xC00000B7, {
         "lookup_dcookie": 18, "ioctl": 29, "vhangup": 58, "quotactl": 60, "acct": 89,
         "personality": 92, "kexec_load": 104, "init_module": 105, "delete_module": 106,
@@ -86,7 +97,9 @@ ARCHITECTURES: dict[str, tuple[int, dict[str, int]]] = {
         "open_by_handle_at": 265, "clock_adjtime": 266, "process_vm_readv": 270,
         "process_vm_writev": 271, "kcmp": 272, "finit_module": 273, "bpf": 280,
         "userfaultfd": 282, "kexec_file_load": 294, "io_uring_setup": 425,
-        "io_uring_enter": 426, "io_uring_register": 427}),
+        "io_uring_enter": 426, "io_uring_register": 427,
+        "get_mempolicy": 236, "set_mempolicy": 237, "move_pages": 239, "name_to_handle_at": 264,
+        "open_tree": 428, "fsconfig": 431, "mount_setattr": 442}),  # no sysfs, ustat here
 }
 
 

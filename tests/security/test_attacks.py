@@ -53,8 +53,7 @@ def test_host_secrets_are_unreadable(kc, planted, state_dir: Path) -> None:
         """)
     for path in planted:
         assert found[path] == "ENOENT", path
-    host_shadow = Path("/etc/shadow").read_text(encoding="latin-1")
-    assert found["/etc/shadow"] in ("ENOENT", "EACCES") and found["/etc/shadow"] != host_shadow
+    assert found["/etc/shadow"] in ("ENOENT", "EACCES")  # never its contents
     assert found[str(state_dir / "token")] == "ENOENT"
     assert found[str(state_dir)] == "ENOENT"
     # The sandbox's home is /workspace. The host user's home shows only if the Python

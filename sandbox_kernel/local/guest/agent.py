@@ -241,6 +241,8 @@ class Agent:
         followers = []
         for registration in fork_aware_processes():
             reply = await ask_to_follow(registration, pid, request.get("env") or {})
+            if reply.get("ok") and not followed_into(reply.get("child_pid"), registration, pid):
+                reply = {"error": "its reply names no child of it in the new sandbox"}
             if reply.get("ok"):
                 followers.append(reply["child_pid"])
             else:
@@ -253,6 +255,8 @@ class Agent:
         """In the forked child: set up the new sandbox, then exec a fresh agent in it."""
         try:
             from nsfork import become_sandbox, sealed_listener
+
+            set_dumpable(True)  # its /proc/self (uid_map...) must be its own to write
 
             become_sandbox(str(request.get("hostname") or "sandbox"), int(request["disk_mib"]),
                            os.path.dirname(self.socket_path), self.workdir)
@@ -426,6 +430,21 @@ def fork_aware_processes() -> list:
     return found
 
 
+def followed_into(child_pid: object, registration: dict, sandbox_pid: int) -> bool:
+    """Did the registered process really fork `child_pid` into the new sandbox? A
+    registration is written by code in the sandbox, and the engine puts the pids the
+    agent reports into the new sandbox's cgroups: a forged one must not name the agent or
+    any other process of this sandbox."""
+    try:
+        with open("/proc/%d/status" % int(child_pid)) as status:
+            parent = next(int(line.split()[1]) for line in status if line.startswith("PPid:"))
+        same_root = (os.readlink("/proc/%d/ns/mnt" % int(child_pid))
+                     == os.readlink("/proc/%d/ns/mnt" % sandbox_pid))
+    except (OSError, ValueError, TypeError, StopIteration):
+        return False
+    return same_root and parent == int(registration["pid"]) and int(child_pid) != sandbox_pid
+
+
 async def ask_to_follow(registration: dict, join_pid: int, env: dict) -> dict:
     try:
         reader, writer = await asyncio.wait_for(
@@ -443,7 +462,9 @@ def oom_killer_goes_here_first() -> None:
     """In a command's process, before exec: at the sandbox's memory limit the OOM killer
     must take the user's processes (this one and all it starts inherit the value), never
     the agent, which stays at 0 and whose death would end the sandbox. Raising one's own
-    oom_score_adj needs no privilege (lowering it below 0 would)."""
+    oom_score_adj needs no privilege (lowering it below 0 would). The fork of the agent
+    is undumpable like it, so its /proc files are root's until it is dumpable again."""
+    set_dumpable(True)
     fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
     try:
         os.write(fd, OOM_SCORE_ADJ)
@@ -502,10 +523,23 @@ def apply_rlimits() -> None:
         resource.setrlimit(names[name], (int(value), int(value)))
 
 
+def set_dumpable(dumpable: bool) -> None:
+    """The agent runs as the sandbox's user, like the code it starts: undumpable, its
+    /proc/PID/mem, environ, root and fds are closed to processes without CAP_SYS_PTRACE
+    over it, which no process of the sandbox has (the dumpable flag is reset on exec, so
+    the commands the agent starts are not affected)."""
+    import ctypes
+
+    PR_SET_DUMPABLE = 4
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, int(dumpable), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
+
+
 def main(argv: list) -> int:
     if len(argv) not in (3, 4):
         sys.stderr.write("usage: agent.py SOCKET WORKDIR [LISTEN_FD]\n")
         return 2
+    set_dumpable(False)
     apply_rlimits()
     os.umask(0o022)  # the engine's is 077; files made in the sandbox get the usual modes
     asyncio.run(serve(argv[1], argv[2], int(argv[3]) if len(argv) == 4 else None))
