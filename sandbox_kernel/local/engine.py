@@ -25,8 +25,6 @@ from ..api.models import (
     CreateSandboxRequest,
     ForkSandboxRequest,
     PatchSandboxRequest,
-    RootfsCatalog,
-    RootfsEntry,
     SandboxStatus,
     TERMINAL,
     SandboxView,
@@ -36,6 +34,8 @@ from ..egress_rules import EgressRuleError, validate as validate_egress
 from .agent_client import AgentClient, AgentError, AgentUnavailable
 from .egress_gate import EgressGate
 from . import disk, seccomp
+from .access_tokens import AccessToken, digest
+from .catalog import HOST_PYTHON, UnknownRootfs, local_rootfs
 from .bwrap import AGENT_DIR, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
 from .freezer import CgroupV2Freezer, Freezer, Handle, SignalFreezer, select as select_freezer
 from .limits import Applied, Limits, select as select_limiter
@@ -51,16 +51,6 @@ SHAPES = [Shape(id=f"s-{cpu}vcpu-{label}", vcpu=cpu, mem_mib=mib, default_disk_m
           for cpu, mib, label in ((1, 256, "256mb"), (1, 512, "512mb"), (1, 1024, "1gb"),
                                   (1, 2048, "2gb"), (2, 2048, "2gb"), (2, 4096, "4gb"),
                                   (4, 4096, "4gb"))]
-LOCAL_ROOTFS = "host-python"
-# Python with its standard library only, as on a bare CreateOS rootfs (devbox:1 has
-# python3, maybe no IPython): the runner's plain mode, and a smaller surface.
-STDLIB_ROOTFS = "python-stdlib"
-ROOTFS = RootfsCatalog(
-    rootfs=[LOCAL_ROOTFS, STDLIB_ROOTFS], default=LOCAL_ROOTFS,
-    entries=[RootfsEntry(name=LOCAL_ROOTFS,
-                         description="the host's /usr and the engine's Python environment, read-only"),
-             RootfsEntry(name=STDLIB_ROOTFS,
-                         description="the same without any installed package: Python's standard library only")])
 ADJECTIVES = ("brave", "calm", "eager", "fond", "keen", "lucid", "merry", "quiet", "swift", "wise")
 ANIMALS = ("otter", "heron", "lynx", "marten", "newt", "puffin", "stoat", "tapir", "vole", "wren")
 KEEP_DESTROYED = 200
@@ -100,6 +90,29 @@ def checked_egress(rules: list[str] | None) -> list[str]:
         return validate_egress(rules)
     except EgressRuleError as exc:
         raise InvalidRequest(str(exc), code="invalid_egress_rule") from None
+
+
+LOCAL_REGION = "local"
+
+
+def refuse_unsupported(request: CreateSandboxRequest | ForkSandboxRequest) -> None:
+    """400 for a field the local engine cannot honour: never accept and quietly drop one."""
+    why = {
+        "ingress_enabled": "ingress (public URLs) is not supported by the local engine",
+        "ssh_pubkeys": "SSH access is not supported by the local engine",
+        "networks": "overlay networks are not supported by the local engine",
+        "disks": "persistent disks are not supported by the local engine",
+        "host_id": "the local engine has one host and no host ids",
+        "node_selector": "the local engine has one host and no placement labels",
+        "bandwidth_quota_bytes": "bandwidth_quota_bytes cannot be set at create",
+    }
+    for field_name, reason in why.items():
+        if getattr(request, field_name, None):  # None, False, 0, [] and {} ask for nothing
+            raise InvalidRequest(reason, code=f"unsupported_{field_name}")
+    region = getattr(request, "region", None)
+    if region and region != LOCAL_REGION:
+        raise InvalidRequest(f"region {region!r} is not this server's region ({LOCAL_REGION!r})",
+                             code="region_mismatch")
 
 
 def rfc3339(ts: float) -> str:
@@ -169,7 +182,7 @@ class LocalSandbox:
     egress: list[str]
     auto_pause_after_seconds: int | None
     disk_mib: int  # the shape's default unless the create request asked for another size
-    rootfs: str = LOCAL_ROOTFS
+    rootfs: str = HOST_PYTHON  # as asked for: a local name or a CreateOS catalog alias
     status: SandboxStatus = SandboxStatus.CREATING
     created_at: float = field(default_factory=time.time)
     running_at: float | None = None
@@ -188,6 +201,7 @@ class LocalSandbox:
     frozen: Handle | None = None
     limited: Applied | None = None  # the shape's limits as held on this host
     transition: asyncio.Task | None = None
+    access_token: AccessToken | None = None  # §15.4: a key for this sandbox alone
     # Auto-pause: last exec/file request (monotonic) and execs still streaming.
     last_activity: float = field(default_factory=time.monotonic)
     active_execs: int = 0
@@ -207,7 +221,7 @@ class LocalSandbox:
             disk_mib=self.disk_mib, created_at=rfc3339(self.created_at),
             running_at=rfc3339(self.running_at) if self.running_at else None,
             destroyed_at=rfc3339(self.destroyed_at) if self.destroyed_at else None,
-            ingress_enabled=False, spawn_ms=self.spawn_ms, egress=list(self.egress),
+            ingress_enabled=False, region=LOCAL_REGION, spawn_ms=self.spawn_ms, egress=list(self.egress),
             envs=sorted(self.envs), auto_pause_after_seconds=self.auto_pause_after_seconds,
             forked_from=self.forked_from,
             paused_at=rfc3339(self.paused_at) if self.paused_at else None,
@@ -252,7 +266,7 @@ class Engine:
     def get(self, sandbox_id: str) -> LocalSandbox:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
-            raise NotFound("sandbox not found")
+            raise NotFound("sandbox not found", code="sandbox_not_found")
         return sandbox
 
     def running(self, sandbox_id: str) -> LocalSandbox:
@@ -260,6 +274,35 @@ class Engine:
         if sandbox.status != SandboxStatus.RUNNING:
             raise Conflict(f"sandbox is {sandbox.status.value}, not running", code="invalid_state")
         return sandbox
+
+    def sandbox_for_token(self, offered: str) -> str | None:
+        """The id of the sandbox whose enabled access token `offered` is, if any."""
+        hashed = digest(offered)
+        return next((sb.id for sb in self.sandboxes.values()
+                     if sb.access_token and sb.access_token.accepts(hashed)), None)
+
+    # -- access tokens (§15.4) -----------------------------------------------------------
+
+    def create_access_token(self, sandbox_id: str) -> tuple[AccessToken, str]:
+        sandbox = self.get(sandbox_id)
+        if sandbox.access_token and sandbox.access_token.enabled:
+            raise Conflict("the sandbox already has an enabled access token: rotate or disable it",
+                           code="access_token_exists")
+        sandbox.access_token, plaintext = AccessToken.issue()
+        return sandbox.access_token, plaintext
+
+    def rotate_access_token(self, sandbox_id: str) -> tuple[AccessToken, str]:
+        sandbox = self.get(sandbox_id)
+        if not (sandbox.access_token and sandbox.access_token.enabled):
+            raise NotFound("the sandbox has no access token to rotate", code="access_token_not_found")
+        sandbox.access_token, plaintext = AccessToken.issue(previous=sandbox.access_token)
+        return sandbox.access_token, plaintext
+
+    def disable_access_token(self, sandbox_id: str) -> AccessToken | None:
+        sandbox = self.get(sandbox_id)
+        if sandbox.access_token:
+            sandbox.access_token.enabled = False
+        return sandbox.access_token
 
     def list(self, status: str | None = None) -> list[LocalSandbox]:
         found = sorted(self.sandboxes.values(), key=lambda sb: sb.created_at)
@@ -273,8 +316,11 @@ class Engine:
         shape = next((s for s in SHAPES if s.id == request.shape), None)
         if shape is None:
             raise InvalidRequest(f"unknown shape {request.shape!r}", code="unknown_shape")
-        if request.rootfs and request.rootfs not in ROOTFS.rootfs:
-            raise InvalidRequest(f"unknown rootfs {request.rootfs!r}", code="unknown_rootfs")
+        refuse_unsupported(request)
+        try:
+            local_rootfs(request.rootfs or HOST_PYTHON)
+        except UnknownRootfs as exc:
+            raise InvalidRequest(str(exc), code=exc.code) from None
         name = request.name or self._free_name()
         if any(sb.name == name and sb.status not in TERMINAL for sb in self.sandboxes.values()):
             raise Conflict(f"a sandbox named {name!r} already exists", code="name_taken")
@@ -283,7 +329,7 @@ class Engine:
             id=sandbox_id, name=name, shape=shape, dirs=SandboxDirs(self.sandbox_root / sandbox_id),
             envs=dict(request.envs or {}), egress=checked_egress(request.egress),
             auto_pause_after_seconds=request.auto_pause_after_seconds,
-            disk_mib=request.disk_mib or shape.default_disk_mib, rootfs=request.rootfs or LOCAL_ROOTFS)
+            disk_mib=request.disk_mib or shape.default_disk_mib, rootfs=request.rootfs or HOST_PYTHON)
         self.sandboxes[sandbox_id] = sandbox
         self._start_auto_pauser()
         try:
@@ -310,7 +356,7 @@ class Engine:
         seccomp_fd = seccomp.program_fd()
         arguments = "\0".join(bwrap_arguments(
             sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd,
-            self.limiter.rlimits(sandbox.limits), packages=sandbox.rootfs == LOCAL_ROOTFS)) + "\0"
+            self.limiter.rlimits(sandbox.limits), packages=local_rootfs(sandbox.rootfs) == HOST_PYTHON)) + "\0"
         args_read, args_write = os.pipe()
         log_file = open(sandbox.dirs.root / "bwrap.log", "ab")
         try:
@@ -511,8 +557,7 @@ class Engine:
     def fork(self, source_id: str, request: ForkSandboxRequest) -> LocalSandbox:
         """Start a fork (answer the child in `forking`, like CreateOS); a task makes it."""
         source = self._settled(source_id, SandboxStatus.PAUSED, "forked")
-        if request.ingress_enabled:
-            raise InvalidRequest("ingress is not supported by the local engine", code="ingress_unsupported")
+        refuse_unsupported(request)
         child_id = new_sandbox_id()
         child = LocalSandbox(
             id=child_id, name=self._free_name(), shape=source.shape,
@@ -571,15 +616,13 @@ class Engine:
         """Replace the whole rule list at once; the next connection already obeys it."""
         sandbox = self.get(sandbox_id)
         if sandbox.status in TERMINAL or sandbox.status == SandboxStatus.DESTROYING:
-            raise NotFound("sandbox not found")
+            raise NotFound("sandbox not found", code="sandbox_not_found")
         sandbox.egress = checked_egress(rules)
         return sandbox
 
     def patch(self, sandbox_id: str, request: PatchSandboxRequest) -> LocalSandbox:
         sandbox = self.get(sandbox_id)
-        if request.ingress_enabled:
-            raise InvalidRequest("ingress is not supported by the local engine",
-                                 code="ingress_unsupported")
+        refuse_unsupported(request)
         if sandbox.status in TERMINAL or sandbox.status == SandboxStatus.DESTROYING:
             raise Conflict(f"sandbox is {sandbox.status.value}", code="invalid_state")
         if request.disable_auto_pause:

@@ -150,6 +150,7 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     # Everything the engine creates (sandbox dirs, logs, disk images) is its user's alone.
     # (The agent sets the usual 022 again for the sandbox's own files.)
     os.umask(0o077)
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # `serve --state-dir NEW` makes it
     token = load_or_create_token(state_dir)
     engine = Engine(state_dir)
     app = create_app(engine, token)

@@ -186,11 +186,13 @@ class Agent:
         except OSError as exc:
             writer.write(failure(os_error_code(exc), "%s: %s" % (path, exc.strerror)))
             return
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # a FIFO or device would block or never end
+            os.close(fd)  # (and fdopen would raise on a directory)
+            what = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            writer.write(failure("invalid", "%s: %s" % (path, what)))
+            return
         with os.fdopen(fd, "rb") as src:
-            info = os.fstat(src.fileno())
-            if not stat.S_ISREG(info.st_mode):  # a FIFO or device would block or never end
-                writer.write(failure("invalid", "%s: not a regular file" % path))
-                return
             writer.write(frame({"ok": True, "size": info.st_size}))
             remaining = info.st_size
             while remaining:
