@@ -84,6 +84,18 @@ class Conflict(EngineError):
     status = 409
 
 
+class ShuttingDown(EngineError):
+    status = 503
+
+
+class AgentLost(EngineError):
+    status = 502
+
+
+class EngineStopped(EngineError):
+    status = 500
+
+
 def checked_egress(rules: list[str] | None) -> list[str]:
     """The normalized rule list ([] = allow all public destinations); 400 naming a bad rule."""
     try:
@@ -253,6 +265,7 @@ class Engine:
         # The engine's own API addresses: no egress rule may open them to a sandbox.
         self.api_addresses: list[tuple[str, int]] = []
         self._fallback: Freezer | None = None  # for a sandbox the freezer could not attach
+        self.closing = False  # set on shutdown: no new sandboxes, running commands say why they end
 
     def touch(self) -> None:
         self.last_activity = time.monotonic()
@@ -313,6 +326,8 @@ class Engine:
     # -- lifecycle --------------------------------------------------------------------
 
     async def create(self, request: CreateSandboxRequest) -> LocalSandbox:
+        if self.closing:
+            raise ShuttingDown("the local engine is shutting down", code="engine_shutting_down")
         shape = next((s for s in SHAPES if s.id == request.shape), None)
         if shape is None:
             raise InvalidRequest(f"unknown shape {request.shape!r}", code="unknown_shape")
@@ -525,6 +540,8 @@ class Engine:
                 return name
 
     async def close(self) -> None:
+        """Destroy every sandbox (their running commands end with an error frame); no new ones."""
+        self.closing = True
         if self._auto_pauser:
             self._auto_pauser.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -684,19 +701,33 @@ class Engine:
     # -- work inside a sandbox --------------------------------------------------------
 
     async def exec(self, sandbox_id: str, cmd: str, args: list[str]) -> AsyncIterator[dict]:
-        """Yield CreateOS exec frames; closing the iterator early kills the command."""
+        """Yield CreateOS exec frames; closing the iterator early kills the command. Raises
+        an EngineError saying why if the command is cut off (sandbox destroyed, engine
+        shutting down, agent gone) before its exit code."""
         sandbox = self.running(sandbox_id)
         sandbox.active_execs += 1  # a running command is activity for its whole duration
         sandbox.touch()
+        exited = False
         try:
             async for frame in sandbox.agent.exec(cmd, args, sandbox.envs):
+                exited = exited or "exit_code" in frame
                 yield frame
-        except AgentUnavailable:
-            yield {"error": "sandbox agent is not reachable"}
-            yield {"exit_code": -1}
+        except (AgentUnavailable, ConnectionError, ValueError):
+            pass
         finally:
             sandbox.active_execs -= 1
             sandbox.touch()
+        if not exited:  # the agent went away mid-command
+            raise self.why_exec_ended(sandbox)
+
+    def why_exec_ended(self, sandbox: LocalSandbox) -> EngineError:
+        """Why a command's agent connection ended before the command did."""
+        if self.closing:  # a 500, not a 503: clients would retry the command on a 503
+            return EngineStopped("the local engine shut down while the command ran",
+                                 code="engine_shut_down")
+        if sandbox.status in (SandboxStatus.DESTROYING, SandboxStatus.DESTROYED):
+            return Conflict("the sandbox was destroyed while the command ran", code="sandbox_destroyed")
+        return AgentLost("sandbox agent is not reachable", code="agent_unreachable")
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes) -> int:
         sandbox = self.running(sandbox_id)

@@ -353,6 +353,9 @@ async def exec_stream(engine: Engine, sandbox_id: str, body: ExecRequest) -> Asy
         try:
             async for frame in engine.exec(sandbox_id, body.cmd, body.args):
                 await frames.put(frame)
+        except EngineError as cut:  # as CreateOS ends a stream: an error frame, then the exit
+            await frames.put({"error": str(cut)})
+            await frames.put({"exit_code": -1})
         finally:
             await frames.put(None)
 

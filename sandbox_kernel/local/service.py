@@ -145,6 +145,7 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     import uvicorn
 
     from .engine import Engine
+    from .engine_server import EngineServer
     from .server import create_app
 
     # Everything the engine creates (sandbox dirs, logs, disk images) is its user's alone.
@@ -157,8 +158,8 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     tcp = _listen_tcp(host, port)
     unix = _listen_unix(state_dir / SOCKET_FILE)
     sockets = [s for s in (tcp, unix) if s is not None]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5))
+    server = EngineServer(engine, uvicorn.Config(app, log_level="warning", access_log=False,
+                                                 timeout_graceful_shutdown=5))
     bound_host, bound_port = tcp.getsockname()[:2]
     engine.api_addresses.append((bound_host, bound_port))
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
