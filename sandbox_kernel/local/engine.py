@@ -33,6 +33,7 @@ from ..api.models import (
 from ..egress_rules import EgressRuleError, validate as validate_egress
 from .agent_client import AgentClient, AgentError, AgentUnavailable
 from .egress_gate import EgressGate
+from .signal_relay import SignalRelay
 from . import disk, seccomp
 from .access_tokens import AccessToken, digest
 from .catalog import HOST_PYTHON, UnknownRootfs, local_rootfs
@@ -208,6 +209,7 @@ class LocalSandbox:
     # sandbox of a family, /proc/<agent>/root/... for a fork (its root exists only inside).
     agent_dir: Path | None = None
     gate: EgressGate | None = None  # its way out (started once it runs)
+    signals: SignalRelay | None = None  # its requests to pause or delete itself (§9)
     # Pausing: which freezer holds this sandbox's processes, and the pause/resume in flight.
     freezer: Freezer | None = None
     frozen: Handle | None = None
@@ -265,6 +267,7 @@ class Engine:
         # The engine's own API addresses: no egress rule may open them to a sandbox.
         self.api_addresses: list[tuple[str, int]] = []
         self._fallback: Freezer | None = None  # for a sandbox the freezer could not attach
+        self._background: set[asyncio.Task] = set()  # self-deletions under way
         self.closing = False  # set on shutdown: no new sandboxes, running commands say why they end
 
     def touch(self) -> None:
@@ -488,6 +491,8 @@ class Engine:
         # its forks live in.
         if sandbox.gate:
             await sandbox.gate.stop()
+        if sandbox.signals:
+            await sandbox.signals.stop()
         family = sandbox.family
         if family:
             family.members.discard(sandbox.id)
@@ -626,8 +631,27 @@ class Engine:
         log.info("sandbox %s forked from %s (%d ms)", child.id, source.id, child.spawn_ms)
 
     def _open_gate(self, sandbox: LocalSandbox) -> None:
+        """Connect the running sandbox's agent to the world: egress, and its self-signals."""
         sandbox.gate = EgressGate(lambda: sandbox.agent, lambda: sandbox.egress, self.api_addresses)
         sandbox.gate.start()
+        sandbox.signals = SignalRelay(lambda: sandbox.agent,
+                                      lambda action, reason: self._self_signal(sandbox, action, reason))
+        sandbox.signals.start()
+
+    async def _self_signal(self, sandbox: LocalSandbox, action: str, reason: str) -> None:
+        """A sandbox asked to pause or delete itself (as the owner's pause/DELETE would)."""
+        log.info("sandbox %s asks to %s itself (reason %r)", sandbox.id, action, reason)
+        if action == "pause":
+            with contextlib.suppress(EngineError):  # e.g. already pausing
+                self.pause(sandbox.id)
+        else:  # in a task of its own: destroying stops this relay, which awaits us
+            task = asyncio.get_running_loop().create_task(self._destroy_if_live(sandbox.id))
+            self._background.add(task)  # the loop keeps only weak references
+            task.add_done_callback(self._background.discard)
+
+    async def _destroy_if_live(self, sandbox_id: str) -> None:
+        with contextlib.suppress(EngineError):  # e.g. already being destroyed
+            await self.destroy(sandbox_id)
 
     def set_egress(self, sandbox_id: str, rules: list[str] | None) -> LocalSandbox:
         """Replace the whole rule list at once; the next connection already obeys it."""

@@ -14,6 +14,7 @@ Protocol (unix socket, one request per connection): the engine sends one JSON li
     {"op": "fork", "hostname": str, "disk_mib": N, "env": {str: str}}
     {"op": "egress_listen"}
     {"op": "egress_attach", "stream": N}
+    {"op": "signal_listen"}   (the sandbox's self-signals, see self_signal.py)
 and gets back JSON lines. exec answers with CreateOS exec frames, one per line
 ({"stdout": s} / {"stderr": s} / {"error": s} / {"exit_code": n}); write answers
 {"ok": true, "bytes": N}; read answers {"ok": true, "size": N} then N raw bytes;
@@ -48,6 +49,8 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script dir out
 
+import self_signal  # noqa: E402 (needs the path above)
+
 CHUNK = 64 * 1024
 MAX_HEADER = 1 << 20
 FOLLOW_TIMEOUT = 60.0  # a fork-aware process has this long to fork itself into the new sandbox
@@ -78,6 +81,7 @@ class Agent:
         self.egress_listener: asyncio.StreamWriter | None = None  # the engine's egress_listen
         self.pending: dict = {}  # stream number -> future of the engine's attach connection
         self.streams = 0
+        self.signals = self_signal.SelfSignals()  # POST 127.0.0.1:1029/self/pause|delete
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         handed_over = False  # an egress stream now belongs to its splice
@@ -97,6 +101,8 @@ class Agent:
                 await self.fork(request, writer)
             elif op == "egress_listen":
                 await self.egress_listen(reader, writer)
+            elif op == "signal_listen":
+                await self.signals.engine_listens(reader, writer)
             elif op == "egress_attach":
                 handed_over = self.egress_attach(request, reader, writer)
             else:
@@ -374,6 +380,7 @@ async def serve(socket_path: str, workdir: str, listen_fd: int | None) -> None:
     egress_port = os.environ.get("SANDBOX_EGRESS_PORT")
     if egress_port:
         await asyncio.start_server(agent.egress_client, "127.0.0.1", int(egress_port))
+    await self_signal.serve(agent.signals)
     if listen_fd is not None:
         listener = socket.socket(fileno=listen_fd)
         server = await asyncio.start_unix_server(agent.handle, sock=listener, limit=MAX_HEADER)
