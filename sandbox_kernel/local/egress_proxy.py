@@ -421,6 +421,7 @@ class EgressProxy:
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await writer.drain()
             if rest:
+                self._traffic(True, len(rest))
                 up_writer.write(rest)
                 await up_writer.drain()
             await _relay(reader, writer, up_reader, up_writer, self._traffic)
@@ -467,7 +468,9 @@ class EgressProxy:
             if not has_host:
                 out.append(f"Host: {url.netloc.rpartition('@')[2]}")
             out.append("Connection: close")
-            up_writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + rest)
+            request = ("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + rest
+            self._traffic(True, len(request))
+            up_writer.write(request)
             await up_writer.drain()
             await _relay(reader, writer, up_reader, up_writer, self._traffic)
         except ConnectionError:
