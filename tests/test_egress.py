@@ -69,16 +69,16 @@ def kc(kernel: tuple[KernelManager, BlockingKernelClient]) -> BlockingKernelClie
     return kernel[1]
 
 
-FETCH = f"""
+FETCH = """
 import urllib.request, urllib.error
 def fetch(port):
     try:
-        return urllib.request.urlopen(f"http://{HOST_ALIAS}:{{port}}/", timeout=10).read().decode()
+        return urllib.request.urlopen(f"http://HOST_ALIAS:{port}/", timeout=10).read().decode()
     except urllib.error.HTTPError as exc:
         return f"HTTP {exc.code}: {exc.read().decode().strip()}"
     except OSError as exc:
         return type(exc).__name__
-"""
+""".replace("HOST_ALIAS", HOST_ALIAS)
 
 SOCKS = """
 import socket, struct
