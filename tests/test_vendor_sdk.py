@@ -31,6 +31,7 @@ from createos import (
     DiskConfig,
     DiskCreateRequest,
     DiskCredentials,
+    ListSandboxesOptions,
     ForkSandboxRequest,
     NetworkCreateRequest,
     NetworkEntry,
@@ -266,3 +267,25 @@ def test_a_directory_download_and_bad_json_are_400s_naming_the_problem(
     assert response.status_code == 400
     assert response.json() == {"status": "fail", "data": {"message": "request body is not valid JSON",
                                                           "code": "invalid_json"}}
+
+
+def test_the_everyday_methods_work(vendor: Client, sandbox: SandboxInstance) -> None:
+    """The rest of the README's compatibility table marked "works", each called once."""
+    assert vendor.health().up and vendor.readiness().ready
+    assert vendor.who_am_i().stats.running >= 1
+    assert SHAPE in {shape.id for shape in vendor.list_shapes()}
+    assert sandbox.id in {sb.id for sb in vendor.list_sandboxes(ListSandboxesOptions(status="running"))}
+    assert vendor.get_sandbox(sandbox.id).name == sandbox.name
+    assert sandbox.set_auto_pause(600).data.auto_pause_after_seconds == 600
+    assert sandbox.set_auto_pause(None).data.auto_pause_after_seconds is None
+    sandbox.set_egress(["example.com:443"])
+    assert sandbox.egress().egress_rules == ["example.com:443"]
+    sandbox.run_command(RunCommandRequest(command="bash", arguments=[
+        "-c", "nohup setsid python3 -m http.server 8123 </dev/null >/dev/null 2>&1 &"]))
+    sandbox.wait_for_port(8123, timeout=20)
+    events = []
+    with sandbox.stream_command(RunCommandRequest(command="bash", arguments=["-c", "echo out; exit 4"])) as stream:
+        events = [(str(e.type), e.data or e.exit_code) for e in stream if e.type != "heartbeat"]
+    assert events == [("stdout", "out\n"), ("exit", 4)]
+    with pytest.raises(ValueError, match="ingress is not enabled"):
+        sandbox.preview_url(8123)  # client-side; ingress is refused locally (set_ingress: 400)

@@ -73,7 +73,7 @@ def test_a_token_operates_its_own_sandbox_and_nothing_else(
     assert status_of(lambda: as_account.create_sandbox(CreateSandboxRequest(shape=SHAPE))) == 403
     assert status_of(as_account.who_am_i) == 403
     for manage in (delegated.get_access_token, delegated.create_access_token,
-                   delegated.rotate_access_token, delegated.disable_access_token):
+                   delegated.rotate_access_token, delegated.disable_access_token, delegated.fork):
         assert status_of(manage) == 403
     assert other.refresh().status == "running"
 

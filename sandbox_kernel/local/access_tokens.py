@@ -20,8 +20,10 @@ from ..api.models import WireModel
 TOKEN_PREFIX = "sbt_"
 HINT_CHARS = 4
 # The routes a token may use: its sandbox's view and everything under it, except the
-# token routes themselves (only the owner manages tokens).
+# token routes themselves (only the owner manages tokens) and fork (it makes another
+# sandbox, an account resource, like create).
 SANDBOX_ROUTE = re.compile(r"^/v1/sandboxes/(?P<id>[^/]+)(?P<rest>/.*)?$")
+OWNER_ONLY = ("/access-token", "/fork")
 
 
 class AccessTokenCreated(WireModel):
@@ -72,4 +74,4 @@ def token_may_use(path: str, sandbox_id: str) -> bool:
     match = SANDBOX_ROUTE.match(path)
     if not match or match["id"] != sandbox_id:
         return False
-    return not (match["rest"] or "").startswith("/access-token")
+    return not (match["rest"] or "").startswith(OWNER_ONLY)
