@@ -111,7 +111,7 @@ LOCAL_REGION = "local"
 def refuse_unsupported(request: CreateSandboxRequest | ForkSandboxRequest) -> None:
     """400 for a field the local engine cannot honour: never accept and quietly drop one."""
     why = {
-        "ingress_enabled": "ingress (public URLs) is not supported by the local engine",
+        "ingress_enabled": "ingress is not supported by the local engine (no public URLs)",
         "ssh_pubkeys": "SSH access is not supported by the local engine",
         "networks": "overlay networks are not supported by the local engine",
         "disks": "persistent disks are not supported by the local engine",
