@@ -15,7 +15,6 @@ import subprocess
 import threading
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -49,20 +48,7 @@ pytestmark = pytest.mark.slow
 SHAPE = "s-1vcpu-512mb"
 
 
-@pytest.fixture(scope="module")
-def vendor(engine: EngineEndpoint) -> Iterator[Client]:
-    with Client(api_key=engine.token, base_url=engine.url) as client:
-        yield client
 
-
-@pytest.fixture
-def sandbox(vendor: Client) -> Iterator[SandboxInstance]:
-    created = vendor.create_sandbox(CreateSandboxRequest(shape=SHAPE, rootfs="devbox:1"))
-    yield created
-    try:
-        created.destroy()
-    except APIError:
-        pass  # the test destroyed it already
 
 
 def refused(call, status: int) -> APIError:  # type: ignore[no-untyped-def]
@@ -80,14 +66,14 @@ def live_ids(vendor: Client) -> set[str]:
 
 
 def test_the_vendor_rootfs_name_runs_and_says_what_it_means_locally(
-        vendor: Client, sandbox: SandboxInstance) -> None:
+        vendor: Client, vendor_sandbox: SandboxInstance) -> None:
     catalog = vendor.list_root_file_systems()
     assert "devbox:1" in catalog.root_file_systems
     [entry] = [e for e in catalog.entries if e.name == "devbox:1"]
     assert "host-python" in (entry.description or "")
-    assert sandbox.data.rootfs == "devbox:1" and sandbox.refresh().data.rootfs == "devbox:1"
+    assert vendor_sandbox.data.rootfs == "devbox:1" and vendor_sandbox.refresh().data.rootfs == "devbox:1"
     # What the vendor docs promise of devbox:1: bash, GNU timeout, python3, curl.
-    done = sandbox.shell("timeout 5 python3 -c 'print(6 * 7)' && command -v curl >/dev/null && echo ok")
+    done = vendor_sandbox.shell("timeout 5 python3 -c 'print(6 * 7)' && command -v curl >/dev/null && echo ok")
     assert done.result.standard_output == "42\nok\n"
     wrong = refused(lambda: vendor.create_sandbox(CreateSandboxRequest(shape=SHAPE, rootfs="desktop:1")), 400)
     assert "rootfs_unsupported" in str(wrong) and "graphical session" in str(wrong)
@@ -124,18 +110,18 @@ def test_create_refuses_a_bandwidth_quota_the_sdk_cannot_even_send(engine: Engin
 
 
 def test_this_region_is_honoured_and_patch_and_fork_refuse_ingress_and_ssh(
-        vendor: Client, sandbox: SandboxInstance) -> None:
+        vendor: Client, vendor_sandbox: SandboxInstance) -> None:
     local = vendor.create_sandbox(CreateSandboxRequest(shape=SHAPE, region="local"))
     try:
         assert local.refresh().data.region == "local"
     finally:
         local.destroy()
-    assert "ingress" in str(refused(lambda: sandbox.set_ingress(True), 400))
-    sandbox.set_ingress(False)  # asks for nothing: fine
-    sandbox.pause().wait_until_paused()
+    assert "ingress" in str(refused(lambda: vendor_sandbox.set_ingress(True), 400))
+    vendor_sandbox.set_ingress(False)  # asks for nothing: fine
+    vendor_sandbox.pause().wait_until_paused()
     for fork in (ForkSandboxRequest(ingress_enabled=True), ForkSandboxRequest(ssh_public_keys=["k"])):
-        refused(lambda: sandbox.fork(fork), 400)
-    child = sandbox.fork(ForkSandboxRequest(ingress_enabled=False, ssh_public_keys=[]))
+        refused(lambda: vendor_sandbox.fork(fork), 400)
+    child = vendor_sandbox.fork(ForkSandboxRequest(ingress_enabled=False, ssh_public_keys=[]))
     child.wait_until_running(WaitOptions(timeout=60))
     child.destroy()
 
@@ -143,16 +129,16 @@ def test_this_region_is_honoured_and_patch_and_fork_refuse_ingress_and_ssh(
 # -- item 5: routes the engine does not implement -----------------------------------------
 
 
-def test_every_unsupported_method_says_so_in_jsend(vendor: Client, sandbox: SandboxInstance) -> None:
+def test_every_unsupported_method_says_so_in_jsend(vendor: Client, vendor_sandbox: SandboxInstance) -> None:
     unsupported = {
-        "resize": lambda: sandbox.resize(20480),
-        "add_ssh_public_keys": lambda: sandbox.add_ssh_public_keys(["ssh-ed25519 AAAA k"]),
+        "resize": lambda: vendor_sandbox.resize(20480),
+        "add_ssh_public_keys": lambda: vendor_sandbox.add_ssh_public_keys(["ssh-ed25519 AAAA k"]),
         "get_sandbox_by_ip": lambda: vendor.get_sandbox_by_ip("10.0.0.7"),
-        "attach_network": lambda: sandbox.attach_network("net_1"),
-        "detach_network": lambda: sandbox.detach_network("net_1"),
-        "list_disks": lambda: sandbox.list_disks(),
-        "attach_disk": lambda: sandbox.attach_disk(AttachDiskOptions("disk_1", "/mnt/d")),
-        "detach_disk": lambda: sandbox.detach_disk(DetachDiskOptions("disk_1", "/mnt/d")),
+        "attach_network": lambda: vendor_sandbox.attach_network("net_1"),
+        "detach_network": lambda: vendor_sandbox.detach_network("net_1"),
+        "list_disks": lambda: vendor_sandbox.list_disks(),
+        "attach_disk": lambda: vendor_sandbox.attach_disk(AttachDiskOptions("disk_1", "/mnt/d")),
+        "detach_disk": lambda: vendor_sandbox.detach_disk(DetachDiskOptions("disk_1", "/mnt/d")),
         "networks.list": lambda: vendor.networks.list(),
         "networks.create": lambda: vendor.networks.create(NetworkCreateRequest(name="n")),
         "networks.get": lambda: vendor.networks.get("net_1"),
@@ -169,10 +155,10 @@ def test_every_unsupported_method_says_so_in_jsend(vendor: Client, sandbox: Sand
         "templates.get": lambda: vendor.templates.get("tpl_1"),
         "templates.logs": lambda: vendor.templates.logs("tpl_1"),
         "templates.delete": lambda: vendor.templates.delete("tpl_1"),
-        "computer.screen": lambda: sandbox.computer.screen(),
-        "computer.screenshot": lambda: sandbox.computer.screenshot(),
-        "computer.screens.create": lambda: sandbox.computer.screens.create(ComputerCreateScreenRequest()),
-        "computer.keyboard.type": lambda: sandbox.computer.keyboard.type("hi"),
+        "computer.screen": lambda: vendor_sandbox.computer.screen(),
+        "computer.screenshot": lambda: vendor_sandbox.computer.screenshot(),
+        "computer.screens.create": lambda: vendor_sandbox.computer.screens.create(ComputerCreateScreenRequest()),
+        "computer.keyboard.type": lambda: vendor_sandbox.computer.keyboard.type("hi"),
     }
     for name, call in unsupported.items():
         error = refused(call, 501)
@@ -207,24 +193,24 @@ class Sized(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_hosts_and_bandwidth_have_their_local_meaning(vendor: Client, sandbox: SandboxInstance) -> None:
+def test_hosts_and_bandwidth_have_their_local_meaning(vendor: Client, vendor_sandbox: SandboxInstance) -> None:
     [host] = vendor.list_hosts()
     assert host.id == "local" and host.sandbox_count >= 1 and "devbox:1" in host.root_file_systems
-    view = sandbox.bandwidth()
-    assert (view.id, view.quota_bytes, view.remaining_bytes, view.capped) == (sandbox.id, -1, -1, False)
+    view = vendor_sandbox.bandwidth()
+    assert (view.id, view.quota_bytes, view.remaining_bytes, view.capped) == (vendor_sandbox.id, -1, -1, False)
     assert (view.used_bytes, view.ingress_bytes) == (0, 0)
-    assert sandbox.recharge_bandwidth(1024).quota_bytes == -1  # a no-op when unmetered (§7)
+    assert vendor_sandbox.recharge_bandwidth(1024).quota_bytes == -1  # a no-op when unmetered (§7)
     # Counted at the egress proxy: what the sandbox sends is used_bytes, what it gets ingress.
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sized)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         port = server.server_address[1]
-        sandbox.set_egress([f"127.0.0.1:{port}"])
-        sandbox.shell(f"head -c {BODY_IN} /dev/zero | curl -sf --data-binary @- "
+        vendor_sandbox.set_egress([f"127.0.0.1:{port}"])
+        vendor_sandbox.shell(f"head -c {BODY_IN} /dev/zero | curl -sf --data-binary @- "
                       f"http://{HOST_ALIAS}:{port}/ -o /dev/null")
     finally:
         server.shutdown()
-    view = sandbox.bandwidth()
+    view = vendor_sandbox.bandwidth()
     assert BODY_IN <= view.used_bytes < BODY_IN + 4096
     assert BODY_OUT <= view.ingress_bytes < BODY_OUT + 4096
 
@@ -251,15 +237,15 @@ def test_serve_makes_a_state_dir_that_does_not_exist_yet(tmp_path: Path) -> None
 
 
 def test_a_directory_download_and_bad_json_are_400s_naming_the_problem(
-        engine: EngineEndpoint, sandbox: SandboxInstance) -> None:
+        engine: EngineEndpoint, vendor_sandbox: SandboxInstance) -> None:
     def download() -> None:
-        with sandbox.files.download("/workspace") as stream:
+        with vendor_sandbox.files.download("/workspace") as stream:
             stream.read()
 
     error = refused(download, 400)
     assert "/workspace: a directory" in str(error)
-    sandbox.files.upload("/workspace/after.txt", b"the agent is still there")
-    with sandbox.files.download("/workspace/after.txt") as stream:
+    vendor_sandbox.files.upload("/workspace/after.txt", b"the agent is still there")
+    with vendor_sandbox.files.download("/workspace/after.txt") as stream:
         assert stream.read() == b"the agent is still there"
     response = httpx.post(f"{engine.url}/v1/sandboxes", headers={"X-Api-Key": engine.token,
                                                                  "Content-Type": "application/json"},
@@ -269,23 +255,23 @@ def test_a_directory_download_and_bad_json_are_400s_naming_the_problem(
                                                           "code": "invalid_json"}}
 
 
-def test_the_everyday_methods_work(vendor: Client, sandbox: SandboxInstance) -> None:
+def test_the_everyday_methods_work(vendor: Client, vendor_sandbox: SandboxInstance) -> None:
     """The rest of the README's compatibility table marked "works", each called once."""
     assert vendor.health().up and vendor.readiness().ready
     assert vendor.who_am_i().stats.running >= 1
     assert SHAPE in {shape.id for shape in vendor.list_shapes()}
-    assert sandbox.id in {sb.id for sb in vendor.list_sandboxes(ListSandboxesOptions(status="running"))}
-    assert vendor.get_sandbox(sandbox.id).name == sandbox.name
-    assert sandbox.set_auto_pause(600).data.auto_pause_after_seconds == 600
-    assert sandbox.set_auto_pause(None).data.auto_pause_after_seconds is None
-    sandbox.set_egress(["example.com:443"])
-    assert sandbox.egress().egress_rules == ["example.com:443"]
-    sandbox.run_command(RunCommandRequest(command="bash", arguments=[
+    assert vendor_sandbox.id in {sb.id for sb in vendor.list_sandboxes(ListSandboxesOptions(status="running"))}
+    assert vendor.get_sandbox(vendor_sandbox.id).name == vendor_sandbox.name
+    assert vendor_sandbox.set_auto_pause(600).data.auto_pause_after_seconds == 600
+    assert vendor_sandbox.set_auto_pause(None).data.auto_pause_after_seconds is None
+    vendor_sandbox.set_egress(["example.com:443"])
+    assert vendor_sandbox.egress().egress_rules == ["example.com:443"]
+    vendor_sandbox.run_command(RunCommandRequest(command="bash", arguments=[
         "-c", "nohup setsid python3 -m http.server 8123 </dev/null >/dev/null 2>&1 &"]))
-    sandbox.wait_for_port(8123, timeout=20)
+    vendor_sandbox.wait_for_port(8123, timeout=20)
     events = []
-    with sandbox.stream_command(RunCommandRequest(command="bash", arguments=["-c", "echo out; exit 4"])) as stream:
+    with vendor_sandbox.stream_command(RunCommandRequest(command="bash", arguments=["-c", "echo out; exit 4"])) as stream:
         events = [(str(e.type), e.data or e.exit_code) for e in stream if e.type != "heartbeat"]
     assert events == [("stdout", "out\n"), ("exit", 4)]
     with pytest.raises(ValueError, match="ingress is not enabled"):
-        sandbox.preview_url(8123)  # client-side; ingress is refused locally (set_ingress: 400)
+        vendor_sandbox.preview_url(8123)  # client-side; ingress is refused locally (set_ingress: 400)

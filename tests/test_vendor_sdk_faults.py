@@ -8,14 +8,12 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from createos import APIError, Client, CreateSandboxRequest, RunCommandRequest, SandboxInstance
 
 from engine_helpers import running_engine
-from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
 SHAPE = "s-1vcpu-512mb"
@@ -23,11 +21,6 @@ STARTED = "started\n"
 # Prints, then waits for ever: only the fault under test ends it.
 LONG = RunCommandRequest(command="bash", arguments=["-c", f"printf '{STARTED}'; exec sleep 600"])
 
-
-@pytest.fixture(scope="module")
-def vendor(engine: EngineEndpoint) -> Iterator[Client]:
-    with Client(api_key=engine.token, base_url=engine.url) as client:
-        yield client
 
 
 def wait_for_command(sandbox: SandboxInstance) -> None:

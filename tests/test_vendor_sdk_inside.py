@@ -15,25 +15,13 @@ import pytest
 from createos import Client, CreateSandboxRequest, RunCommandRequest, SandboxInstance, WaitOptions
 
 from sandbox_kernel.local.egress_gate import HOST_ALIAS
-from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
 SHAPE = "s-1vcpu-1gb"
 INSIDE_PORT = 8765  # on the sandbox's own loopback: no host port is involved
 
 
-@pytest.fixture(scope="module")
-def vendor(engine: EngineEndpoint) -> Iterator[Client]:
-    with Client(api_key=engine.token, base_url=engine.url) as client:
-        yield client
 
-
-@pytest.fixture
-def sandbox(vendor: Client) -> Iterator[SandboxInstance]:
-    created = vendor.create_sandbox(CreateSandboxRequest(shape=SHAPE, rootfs="devbox:1"))
-    yield created
-    if created.refresh().status != "destroyed":
-        created.destroy()
 
 
 class Named(http.server.BaseHTTPRequestHandler):
@@ -86,11 +74,11 @@ print(json.dumps({name: [attempt(fetch, url) for url in sys.argv[1:]] for name, 
 
 
 def test_common_clients_reach_the_host_by_rule_and_loopback_stays_inside(
-        sandbox: SandboxInstance, host_server: int) -> None:
-    sandbox.set_egress([f"127.0.0.1:{host_server}"])
+        vendor_sandbox: SandboxInstance, host_server: int) -> None:
+    vendor_sandbox.set_egress([f"127.0.0.1:{host_server}"])
     urls = [f"http://{HOST_ALIAS}:{host_server}/", f"http://127.0.0.1:{INSIDE_PORT}/",
             f"http://localhost:{INSIDE_PORT}/", f"http://{HOST_ALIAS}:{host_server + 1}/"]
-    done = sandbox.run_command(RunCommandRequest(command="python3", arguments=["-c", CLIENTS, *urls]))
+    done = vendor_sandbox.run_command(RunCommandRequest(command="python3", arguments=["-c", CLIENTS, *urls]))
     assert done.result.exit_code == 0, done.result.standard_error
     outcomes = json.loads(done.result.standard_output.strip().splitlines()[-1])
     assert sorted(outcomes) == ["curl", "httpx", "requests", "urllib"]
@@ -98,7 +86,7 @@ def test_common_clients_reach_the_host_by_rule_and_loopback_stays_inside(
         assert (host, inside, localhost) == ("host", "inside", "inside"), name
         # No rule for that port: the proxy's 403 with its reason (urllib raises on it).
         assert other_port == "HTTPError" if name == "urllib" else "egress denied" in other_port, name
-    env = sandbox.shell("env | grep -i _proxy= | sort").result.standard_output
+    env = vendor_sandbox.shell("env | grep -i _proxy= | sort").result.standard_output
     assert "socks" not in env  # httpx would need its socks extra just to build a client
     assert re.search(r"^NO_PROXY=.*127\.0\.0\.1", env, re.M) and re.search(r"^no_proxy=.*::1", env, re.M)
 
@@ -115,23 +103,23 @@ def signal_itself(sandbox: SandboxInstance, action: str, reason: str) -> None:
 
 
 def test_a_sandbox_pauses_and_deletes_itself_and_nothing_else(
-        vendor: Client, sandbox: SandboxInstance, state_dir: Path) -> None:
+        vendor: Client, vendor_sandbox: SandboxInstance, state_dir: Path) -> None:
     bystander = vendor.create_sandbox(CreateSandboxRequest(shape=SHAPE))
     try:
-        signal_itself(sandbox, "pause", "r" * 300)
-        sandbox.wait_until_paused(WaitOptions(timeout=30))
+        signal_itself(vendor_sandbox, "pause", "r" * 300)
+        vendor_sandbox.wait_until_paused(WaitOptions(timeout=30))
         assert bystander.refresh().status == "running"
-        sandbox.resume().wait_until_running()
-        assert sandbox.shell("cat /tmp/signal.out").result.standard_output == "accepted\n"
+        vendor_sandbox.resume().wait_until_running()
+        assert vendor_sandbox.shell("cat /tmp/signal.out").result.standard_output == "accepted\n"
         # CreateOS truncates the reason to 128 characters; the engine logs what it got.
-        logged = re.findall(rf"sandbox {sandbox.id} asks to pause itself \(reason '(r*)'\)",
+        logged = re.findall(rf"sandbox {vendor_sandbox.id} asks to pause itself \(reason '(r*)'\)",
                             (state_dir / "engine.log").read_text())
         assert logged == ["r" * 128]
-        wrong = sandbox.shell("curl -s -o /dev/null -w '%{http_code} ' http://127.0.0.1:1029/self/pause;"
+        wrong = vendor_sandbox.shell("curl -s -o /dev/null -w '%{http_code} ' http://127.0.0.1:1029/self/pause;"
                               "curl -s -o /dev/null -w '%{http_code}' -X POST http://127.0.0.1:1029/self/reboot")
         assert wrong.result.standard_output == "405 404"
-        signal_itself(sandbox, "delete", "done")
-        sandbox.wait_until_destroyed(WaitOptions(timeout=30))
+        signal_itself(vendor_sandbox, "delete", "done")
+        vendor_sandbox.wait_until_destroyed(WaitOptions(timeout=30))
         assert bystander.refresh().status == "running"
     finally:
         bystander.destroy()

@@ -15,11 +15,6 @@ pytestmark = pytest.mark.slow
 SHAPE = "s-1vcpu-512mb"
 
 
-@pytest.fixture(scope="module")
-def vendor(engine: EngineEndpoint) -> Iterator[Client]:
-    with Client(api_key=engine.token, base_url=engine.url) as client:
-        yield client
-
 
 @pytest.fixture
 def pair(vendor: Client) -> Iterator[tuple[SandboxInstance, SandboxInstance]]:
