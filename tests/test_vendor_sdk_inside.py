@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.server
 import json
 import re
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +25,20 @@ INSIDE_PORT = 8765  # on the sandbox's own loopback: no host port is involved
 
 
 
+PACKUMENT = json.dumps({"name": "hello-sandbox", "dist-tags": {"latest": "1.0.0"}, "versions": {
+    "1.0.0": {"name": "hello-sandbox", "version": "1.0.0", "dist": {"tarball": "http://unused/x.tgz"}}}})
+
+
 class Named(http.server.BaseHTTPRequestHandler):
+    """Answers "host", or, as a package registry would, hello-sandbox's metadata."""
+
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        body = (PACKUMENT if self.path.startswith("/hello-sandbox") else "host").encode()
         self.send_response(200)
-        self.send_header("Content-Length", "4")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(b"host")
+        self.wfile.write(body)
 
     def log_message(self, *args: object) -> None:
         pass
@@ -89,6 +98,13 @@ def test_common_clients_reach_the_host_by_rule_and_loopback_stays_inside(
     env = vendor_sandbox.shell("env | grep -i _proxy= | sort").result.standard_output
     assert "socks" not in env  # httpx would need its socks extra just to build a client
     assert re.search(r"^NO_PROXY=.*127\.0\.0\.1", env, re.M) and re.search(r"^no_proxy=.*::1", env, re.M)
+
+
+@pytest.mark.skipif(not shutil.which("npm"), reason="npm is not installed on this host")
+def test_npm_uses_the_proxy_variables(vendor_sandbox: SandboxInstance, host_server: int) -> None:
+    vendor_sandbox.set_egress([f"127.0.0.1:{host_server}"])
+    asked = vendor_sandbox.shell(f"npm view hello-sandbox version --registry http://{HOST_ALIAS}:{host_server}/")
+    assert asked.result.standard_output.strip() == "1.0.0"
 
 
 def signal_itself(sandbox: SandboxInstance, action: str, reason: str) -> None:
