@@ -7,7 +7,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from createos import APIError, Client, CreateSandboxRequest, SandboxInstance
+from createos import (
+    APIError,
+    Client,
+    CreateSandboxRequest,
+    ExecOptions,
+    RequestOptions,
+    RunCommandRequest,
+    SandboxInstance,
+)
 
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -103,3 +111,15 @@ def test_a_token_of_a_destroyed_sandbox_reaches_nothing(vendor: Client,
     assert delegated.refresh().status == "destroyed"  # its own view, as wait_until_destroyed needs
     assert status_of(lambda: delegated.shell("echo")) == 409
     assert status_of(other.with_access_token(token).refresh) == 404
+
+
+def test_a_stale_x_access_token_shadows_the_key_as_on_createos(vendor: Client, engine: EngineEndpoint,
+                                                                vendor_sandbox: SandboxInstance) -> None:
+    """The SDK lets X-Access-Token through (§15.1) and CreateOS reads it before X-Api-Key."""
+    stale = RequestOptions(headers={"X-Access-Token": "sbt_stale"})
+    with Client(api_key=engine.token, base_url=engine.url) as client:
+        assert status_of(lambda: client.create_sandbox(CreateSandboxRequest(shape=SHAPE), stale)) == 401
+    token = vendor_sandbox.create_access_token().token
+    right = ExecOptions(headers={"X-Access-Token": token})
+    done = vendor_sandbox.run_command(RunCommandRequest(command="echo", arguments=["ok"]), right)
+    assert done.result.standard_output == "ok\n"

@@ -89,7 +89,7 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     async def authenticate(request: Request, call_next):  # type: ignore[no-untyped-def]
         request_id = uuid.uuid4().hex
         refusal = None if request.url.path in PUBLIC_ROUTES else refuse_key(
-            engine, token, request.headers.get("x-api-key", ""), request.url.path)
+            engine, token, offered_credential(request), request.url.path)
         if refusal is not None:
             refusal.headers["X-Request-Id"] = request_id
             return refusal
@@ -278,6 +278,19 @@ def create_app(engine: Engine, token: str) -> FastAPI:
 
     add_unsupported_routes(app, engine)
     return app
+
+
+# CreateOS reads these before X-Api-Key (§1), so a stale one shadows a good key there: the
+# same here, so a client that would fail on CreateOS fails locally too.
+SHADOWING_HEADERS = ("x-auth-token", "x-access-token", "authorization")
+
+
+def offered_credential(request: Request) -> str:
+    for name in SHADOWING_HEADERS:
+        if name in request.headers:
+            value = request.headers[name]
+            return value.removeprefix("Bearer ") if name == "authorization" else value
+    return request.headers.get("x-api-key", "")
 
 
 def refuse_key(engine: Engine, token: str, offered: str, path: str) -> Response | None:
