@@ -139,3 +139,18 @@ def test_a_sandbox_pauses_and_deletes_itself_and_nothing_else(
         assert bystander.refresh().status == "running"
     finally:
         bystander.destroy()
+
+
+def test_a_fork_signals_only_itself(vendor_sandbox: SandboxInstance) -> None:
+    """A fork shares its source's pid namespace, not its loopback or its agent: its
+    self-pause pauses the fork alone."""
+    vendor_sandbox.pause().wait_until_paused()
+    child = vendor_sandbox.fork()
+    try:
+        child.wait_until_running(WaitOptions(timeout=60))
+        vendor_sandbox.resume().wait_until_running()
+        signal_itself(child, "pause", "fork")
+        child.wait_until_paused(WaitOptions(timeout=30))
+        assert vendor_sandbox.refresh().status == "running"
+    finally:
+        child.destroy()
