@@ -36,6 +36,7 @@ TOKEN_FILE = "token"
 SOCKET_FILE = "engine.sock"
 START_TIMEOUT = 30.0
 SUN_PATH_MAX = 107
+KEEP_ALIVE_SECONDS = 65
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,12 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     tcp = _listen_tcp(host, port)
     unix = _listen_unix(state_dir / SOCKET_FILE)
     sockets = [s for s in (tcp, unix) if s is not None]
+    # Idle keep-alive connections are kept well past the 5 s after which httpx (the vendor
+    # SDK's client) drops its own: with uvicorn's default, also 5 s, the engine could close
+    # one just as a client reuses it, failing a POST the client may not retry.
     server = EngineServer(engine, uvicorn.Config(app, log_level="warning", access_log=False,
-                                                 timeout_graceful_shutdown=5))
+                                                 timeout_graceful_shutdown=5,
+                                                 timeout_keep_alive=KEEP_ALIVE_SECONDS))
     bound_host, bound_port = tcp.getsockname()[:2]
     engine.api_addresses.append((bound_host, bound_port))
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
