@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from createos import APIError, Client, CreateSandboxRequest, SandboxInstance
+
 from engine_helpers import running_engine
 from kernel_helpers import VIA_CREATEOS
 from sandbox_kernel.api import SandboxClient
@@ -62,6 +64,24 @@ async def client(engine: EngineEndpoint) -> AsyncIterator[SandboxClient]:
     """An API client of the engine (a module may override `engine`, or `client` itself)."""
     async with SandboxClient(engine.url, engine.token) as api:
         yield api
+
+
+@pytest.fixture(scope="session")
+def vendor(engine: EngineEndpoint) -> Iterator[Client]:
+    """The vendor's Python SDK (createos-sandbox, unchanged), pointed at the engine."""
+    with Client(api_key=engine.token, base_url=engine.url) as sdk:
+        yield sdk
+
+
+@pytest.fixture
+def vendor_sandbox(vendor: Client) -> Iterator[SandboxInstance]:
+    """A sandbox made through the vendor SDK as its examples do (rootfs devbox:1)."""
+    created = vendor.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-512mb", rootfs="devbox:1"))
+    yield created
+    try:
+        created.destroy()
+    except APIError:
+        pass  # the test destroyed it already
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,7 +1,8 @@
 """Egress rules, enforced outside the sandbox, from the REST API to the notebook.
 
 Two HTTP servers on the host's loopback (ports A and B) stand for the outside world:
-the sandbox reaches them only through the engine's egress proxy, and only as the rules say.
+the sandbox reaches them only through the engine's egress proxy, by the host alias (its
+own 127.0.0.1 is its own loopback), and only as the rules say.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sandbox_kernel.api import (
     SandboxClient,
     SandboxStatus,
 )
+from sandbox_kernel.local.egress_gate import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
@@ -71,12 +73,12 @@ FETCH = """
 import urllib.request, urllib.error
 def fetch(port):
     try:
-        return urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10).read().decode()
+        return urllib.request.urlopen(f"http://HOST_ALIAS:{port}/", timeout=10).read().decode()
     except urllib.error.HTTPError as exc:
         return f"HTTP {exc.code}: {exc.read().decode().strip()}"
     except OSError as exc:
         return type(exc).__name__
-"""
+""".replace("HOST_ALIAS", HOST_ALIAS)
 
 SOCKS = """
 import socket, struct
@@ -107,11 +109,11 @@ def test_rules_let_through_only_what_they_name(kc: BlockingKernelClient, servers
     out(kc, FETCH + SOCKS)
     assert out(kc, f"print(fetch({a}))") == "A\n"
     denied = out(kc, f"print(fetch({b}))")
-    assert denied.startswith(f"HTTP 403: egress denied: 127.0.0.1:{b}")
+    assert denied.startswith(f"HTTP 403: egress denied: {HOST_ALIAS}:{b}")
     assert out(kc, f"print(socks({a}), '|', socks({b}))") == "A | SOCKS refused 2\n"
     if shutil.which("curl"):
-        assert out(kc, f"!curl -s http://127.0.0.1:{a}/") == "A"
-        assert out(kc, f"!curl -s -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{b}/") == "403"
+        assert out(kc, f"!curl -s http://{HOST_ALIAS}:{a}/") == "A"
+        assert out(kc, f"!curl -s -o /dev/null -w '%{{http_code}}' http://{HOST_ALIAS}:{b}/") == "403"
     # Without the proxy there is no way out: 127.0.0.1 is the sandbox's own loopback.
     assert out(kc, f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {a}), 2)\n"
                    "except OSError as e:\n    print(type(e).__name__)") == "ConnectionRefusedError\n"
@@ -126,7 +128,7 @@ def test_rules_change_live_and_refusals_are_reported(kc: BlockingKernelClient, s
     assert out(kc, f"print(fetch({b}))").startswith("HTTP 403")
     shown = execute(kc, "%egress").of_type("display_data")[0]["data"]["text/plain"]
     assert shown.splitlines()[0].split(None, 1) == ["rules", f"only 127.0.0.1:{a}"]
-    assert f"127.0.0.1:{b} — no rule allows" in shown
+    assert f"{HOST_ALIAS}:{b} — no rule allows" in shown
 
     opened = execute(kc, "%egress open")
     assert "every public destination is now reachable" in opened.text("stderr")
@@ -174,7 +176,7 @@ def test_api_validation_and_forks_with_their_own_rules(engine: EngineEndpoint, s
             assert (await api.get_egress(parent)).egress == [f"127.0.0.1:{a}"]
 
             async def reach(sandbox_id: str, port: int) -> str:
-                result = await api.exec(sandbox_id, "python3", ["-c", fetch, f"http://127.0.0.1:{port}/"])
+                result = await api.exec(sandbox_id, "python3", ["-c", fetch, f"http://{HOST_ALIAS}:{port}/"])
                 return result.result.stdout.strip()
 
             await api.pause_sandbox(parent)

@@ -23,6 +23,7 @@ import papermill
 import pytest
 
 from kernel_helpers import PROVIDER
+from sandbox_kernel.local.egress_gate import HOST_ALIAS
 
 pytestmark = pytest.mark.slow
 
@@ -97,14 +98,15 @@ def test_agent_tool(kernelspec: str, tmp_path: Path) -> None:
 
 @pytest.fixture
 def package_index(tmp_path: Path) -> Iterator[str]:
-    """A PEP 503 simple index with one tiny wheel, served on the host's loopback."""
+    """A PEP 503 simple index with one tiny wheel, served on the host's loopback (the
+    sandbox reaches it by the host alias: its own 127.0.0.1 is its own loopback)."""
     root = tmp_path / "index"
     wheel = build_wheel(root / "files")
     project = root / "simple" / PACKAGE
     project.mkdir(parents=True)
     (project / "index.html").write_text(f'<a href="/files/{wheel.name}">{wheel.name}</a>\n')
     with serving(root) as port:
-        yield f"http://127.0.0.1:{port}/simple"
+        yield f"http://{HOST_ALIAS}:{port}/simple"
 
 
 def build_wheel(directory: Path) -> Path:

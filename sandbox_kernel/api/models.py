@@ -69,6 +69,9 @@ __all__ = [
     "Pagination",
     "Page",
     "FileUploadResponse",
+    "BandwidthView",
+    "BandwidthRecharge",
+    "HostPublic",
     "AUTO_PAUSE_MIN_SECONDS",
     "parse_rfc3339",
     "AUTO_PAUSE_MAX_SECONDS",
@@ -183,7 +186,8 @@ class DiskMount(WireModel):
 class CreateSandboxRequest(WireModel):
     """Body of ``POST /v1/sandboxes``. Only ``shape`` is required; everything else is omitted when None.
 
-    ``bandwidth_quota_bytes`` does not exist here on purpose (the server rejects it at create)."""
+    ``bandwidth_quota_bytes`` is here only so a server can see it and refuse a non-zero value (§3.1);
+    clients never set it."""
 
     shape: str
     rootfs: Optional[str] = None
@@ -201,6 +205,7 @@ class CreateSandboxRequest(WireModel):
     auto_pause_after_seconds: Optional[int] = Field(
         default=None, ge=AUTO_PAUSE_MIN_SECONDS, le=AUTO_PAUSE_MAX_SECONDS
     )
+    bandwidth_quota_bytes: Optional[int] = None
 
 
 class CreateSandboxResponse(WireModel):
@@ -322,6 +327,33 @@ class EgressUpdate(WireModel):
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json")  # egress always present (null is meaningful)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bandwidth (§7) and hosts (§10)
+
+
+class BandwidthView(WireModel):
+    """``quota_bytes`` and ``remaining_bytes`` -1 = unmetered; ``used_bytes`` = egress, ``ingress_bytes`` observed."""
+
+    id: str
+    quota_bytes: int
+    used_bytes: int
+    ingress_bytes: int
+    remaining_bytes: int
+    capped: bool
+
+
+class BandwidthRecharge(WireModel):
+    add_bytes: int = Field(ge=0)
+
+
+class HostPublic(WireModel):
+    id: str
+    status: str
+    free_mib: int
+    vm_count: int
+    rootfses: Optional[List[str]] = None
 
 
 # --------------------------------------------------------------------------------------------------------------

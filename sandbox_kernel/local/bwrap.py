@@ -201,14 +201,17 @@ def sandbox_env(sandbox_id: str, python_bin: str) -> dict[str, str]:
 
 
 def proxy_env() -> dict[str, str]:
-    """Send proxy-aware tools (urllib, requests, pip, curl) through the egress port.
+    """Send proxy-aware tools (requests, httpx, urllib, curl, pip, npm) through the egress port.
 
-    Through the proxy, 127.0.0.1 means the HOST's loopback (reachable only by an explicit
-    rule); `localhost` bypasses it and stays the sandbox's own loopback.
+    Plain http:// proxy URLs only (HTTP CONNECT for https): a socks5h:// ALL_PROXY makes
+    httpx refuse to build a client without its socks extra. Loopback is the sandbox's own,
+    as on CreateOS (§6): NO_PROXY names it in the forms each client understands (urllib
+    matches names, requests and curl also CIDRs). The host's loopback is reached only
+    through the proxy, by the name egress_gate.HOST_ALIAS, and only with a rule.
     """
     http = f"http://127.0.0.1:{EGRESS_PORT}"
-    socks = f"socks5h://127.0.0.1:{EGRESS_PORT}"
-    env = {"http_proxy": http, "https_proxy": http, "all_proxy": socks, "no_proxy": "localhost"}
+    env = {"http_proxy": http, "https_proxy": http, "all_proxy": http,
+           "no_proxy": "localhost,127.0.0.1,::1,127.0.0.0/8"}
     return {**env, **{key.upper(): value for key, value in env.items()}}
 
 

@@ -21,12 +21,25 @@ from ipaddress import IPv4Address, IPv6Address
 
 from ..egress_rules import Decision, decide, screen_name
 from .agent_client import AgentClient, AgentUnavailable
-from .egress_proxy import EgressProxy
+from .egress_proxy import EgressProxy, _default_resolve as resolve_by_dns
 
 log = logging.getLogger("sandbox_kernel.egress")
 
 RECONNECT_DELAY = 0.5
 MAX_STREAMS = 128  # open egress connections per sandbox (each holds one or two engine descriptors)
+
+# The name by which a sandbox asks the proxy for the host's loopback (127.0.0.1 inside a
+# sandbox is its own loopback, as on CreateOS). Like any non-public destination it needs
+# a rule: the name itself, or 127.0.0.1 with the port.
+HOST_ALIAS = "host.sandbox.internal"
+HOST_LOOPBACK = [IPv4Address("127.0.0.1")]
+
+
+async def resolve_on_host(host: str, port: int) -> list[IPv4Address | IPv6Address]:
+    """What a requested name means on the host: HOST_ALIAS is its loopback, the rest DNS."""
+    if host.lower().rstrip(".") == HOST_ALIAS:
+        return list(HOST_LOOPBACK)
+    return await resolve_by_dns(host, port)
 
 
 class EgressGate:
@@ -34,7 +47,8 @@ class EgressGate:
                  blocked_ports: list[int]) -> None:
         self.agent = agent
         self.rules = rules
-        self.proxy = EgressProxy(self._decide, screen=self._screen, blocked_ports=blocked_ports)
+        self.proxy = EgressProxy(self._decide, screen=self._screen, resolve=resolve_on_host,
+                                 blocked_ports=blocked_ports)
         self.refused_streams = 0  # connections not taken: MAX_STREAMS were open
         self.task: asyncio.Task[None] | None = None
         self.streams: set[asyncio.Task[None]] = set()  # the loop keeps only weak references

@@ -184,6 +184,8 @@ class EgressProxy:
         self.denials: collections.deque[Denial] = collections.deque(maxlen=keep_denials)
         self.denied_count = 0
         self.allowed_count = 0
+        self.bytes_out = 0  # relayed from the sandbox to its destinations (CreateOS's used_bytes)
+        self.bytes_in = 0  # relayed back into the sandbox (ingress_bytes)
 
     # ------------------------------------------------------------------ entry point
 
@@ -214,6 +216,12 @@ class EgressProxy:
             await _close(writer)
             if upstream is not None:
                 await _close(upstream)
+
+    def _traffic(self, outbound: bool, size: int) -> None:
+        if outbound:
+            self.bytes_out += size
+        else:
+            self.bytes_in += size
 
     # ------------------------------------------------------------------ policy + connect
 
@@ -397,7 +405,7 @@ class EgressProxy:
         except Exception:
             await _close(up_writer)
             raise
-        await _relay(reader, writer, up_reader, up_writer)
+        await _relay(reader, writer, up_reader, up_writer, self._traffic)
         return up_writer
 
     @staticmethod
@@ -482,9 +490,10 @@ class EgressProxy:
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await writer.drain()
             if rest:
+                self._traffic(True, len(rest))
                 up_writer.write(rest)
                 await up_writer.drain()
-            await _relay(reader, writer, up_reader, up_writer)
+            await _relay(reader, writer, up_reader, up_writer, self._traffic)
         except ConnectionError:
             pass
         return up_writer
@@ -528,9 +537,11 @@ class EgressProxy:
             if not has_host:
                 out.append(f"Host: {url.netloc.rpartition('@')[2]}")
             out.append("Connection: close")
-            up_writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + rest)
+            request = ("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + rest
+            self._traffic(True, len(request))
+            up_writer.write(request)
             await up_writer.drain()
-            await _relay(reader, writer, up_reader, up_writer)
+            await _relay(reader, writer, up_reader, up_writer, self._traffic)
         except ConnectionError:
             pass
         return up_writer
@@ -571,12 +582,13 @@ async def _close(writer: asyncio.StreamWriter) -> None:
         await asyncio.wait_for(writer.wait_closed(), 1.0)
 
 
-async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> bool:
-    """Copy src to dst until EOF; then half-close dst. Returns whether dst got its EOF."""
+async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, count: Callable[[int], None]) -> bool:
+    """Copy src to dst until EOF, counting bytes; then half-close dst. Returns whether dst got its EOF."""
     while True:
         chunk = await src.read(RELAY_CHUNK)
         if not chunk:
             break
+        count(len(chunk))
         dst.write(chunk)
         await dst.drain()
     if dst.can_write_eof():
@@ -590,13 +602,14 @@ async def _relay(
     c_writer: asyncio.StreamWriter,
     u_reader: asyncio.StreamReader,
     u_writer: asyncio.StreamWriter,
+    traffic: Callable[[bool, int], None],
 ) -> None:
     """Relay both ways until both directions hit EOF, or either fails; half-close aware.
 
     The caller closes both writers afterwards. Both tasks are always finished on return.
     """
-    up = asyncio.ensure_future(_pump(c_reader, u_writer))
-    down = asyncio.ensure_future(_pump(u_reader, c_writer))
+    up = asyncio.ensure_future(_pump(c_reader, u_writer, lambda size: traffic(True, size)))
+    down = asyncio.ensure_future(_pump(u_reader, c_writer, lambda size: traffic(False, size)))
     with contextlib.suppress(AttributeError):
         up.set_name("egress-relay-up")
         down.set_name("egress-relay-down")

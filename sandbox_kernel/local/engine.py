@@ -26,8 +26,6 @@ from ..api.models import (
     CreateSandboxRequest,
     ForkSandboxRequest,
     PatchSandboxRequest,
-    RootfsCatalog,
-    RootfsEntry,
     SandboxStatus,
     TERMINAL,
     SandboxView,
@@ -37,7 +35,10 @@ from ..egress_rules import EgressRuleError, validate as validate_egress
 from .agent_client import (AgentClient, AgentError, AgentUnavailable, RequestTooLarge, encoded,
                            exec_request)
 from .egress_gate import EgressGate
+from .signal_relay import SignalRelay
 from . import disk, seccomp
+from .access_tokens import AccessToken, digest
+from .catalog import HOST_PYTHON, UnknownRootfs, local_rootfs
 from .bwrap import AGENT_DIR, STAGE, Handover, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
 from .hostuser import HostUser, allocate as allocate_host_user, needs_own_user
 from .freezer import CgroupV2Freezer, Freezer, Handle, SignalFreezer, select as select_freezer
@@ -55,16 +56,6 @@ SHAPES = [Shape(id=f"s-{cpu}vcpu-{label}", vcpu=cpu, mem_mib=mib, default_disk_m
           for cpu, mib, label in ((1, 256, "256mb"), (1, 512, "512mb"), (1, 1024, "1gb"),
                                   (1, 2048, "2gb"), (2, 2048, "2gb"), (2, 4096, "4gb"),
                                   (4, 4096, "4gb"))]
-LOCAL_ROOTFS = "host-python"
-# Python with its standard library only, as on a bare CreateOS rootfs (devbox:1 has
-# python3, maybe no IPython): the runner's plain mode, and a smaller surface.
-STDLIB_ROOTFS = "python-stdlib"
-ROOTFS = RootfsCatalog(
-    rootfs=[LOCAL_ROOTFS, STDLIB_ROOTFS], default=LOCAL_ROOTFS,
-    entries=[RootfsEntry(name=LOCAL_ROOTFS,
-                         description="the host's /usr and the engine's Python environment, read-only"),
-             RootfsEntry(name=STDLIB_ROOTFS,
-                         description="the same without any installed package: Python's standard library only")])
 ADJECTIVES = ("brave", "calm", "eager", "fond", "keen", "lucid", "merry", "quiet", "swift", "wise")
 ANIMALS = ("otter", "heron", "lynx", "marten", "newt", "puffin", "stoat", "tapir", "vole", "wren")
 KEEP_DESTROYED = 200
@@ -111,6 +102,18 @@ class Conflict(EngineError):
     status = 409
 
 
+class ShuttingDown(EngineError):
+    status = 503
+
+
+class AgentLost(EngineError):
+    status = 502
+
+
+class EngineStopped(EngineError):
+    status = 500
+
+
 def checked_egress(rules: list[str] | None) -> list[str]:
     """The normalized rule list ([] = allow all public destinations); 400 naming a bad rule."""
     try:
@@ -134,6 +137,29 @@ def limit_sandbox_fds() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     cap = hard if hard != resource.RLIM_INFINITY else SANDBOX_NOFILE[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, tuple(min(limit, cap) for limit in SANDBOX_NOFILE))
+
+
+LOCAL_REGION = "local"
+
+
+def refuse_unsupported(request: CreateSandboxRequest | ForkSandboxRequest) -> None:
+    """400 for a field the local engine cannot honour: never accept and quietly drop one."""
+    why = {
+        "ingress_enabled": "ingress is not supported by the local engine (no public URLs)",
+        "ssh_pubkeys": "SSH access is not supported by the local engine",
+        "networks": "overlay networks are not supported by the local engine",
+        "disks": "persistent disks are not supported by the local engine",
+        "host_id": "the local engine has one host and no host ids",
+        "node_selector": "the local engine has one host and no placement labels",
+        "bandwidth_quota_bytes": "bandwidth_quota_bytes cannot be set at create",
+    }
+    for field_name, reason in why.items():
+        if getattr(request, field_name, None):  # None, False, 0, [] and {} ask for nothing
+            raise InvalidRequest(reason, code=f"unsupported_{field_name}")
+    region = getattr(request, "region", None)
+    if region and region != LOCAL_REGION:
+        raise InvalidRequest(f"region {region!r} is not this server's region ({LOCAL_REGION!r})",
+                             code="region_mismatch")
 
 
 def rfc3339(ts: float) -> str:
@@ -239,7 +265,7 @@ class LocalSandbox:
     egress: list[str]
     auto_pause_after_seconds: int | None
     disk_mib: int  # the shape's default unless the create request asked for another size
-    rootfs: str = LOCAL_ROOTFS
+    rootfs: str = HOST_PYTHON  # as asked for: a local name or a CreateOS catalog alias
     status: SandboxStatus = SandboxStatus.CREATING
     created_at: float = field(default_factory=time.time)
     running_at: float | None = None
@@ -253,12 +279,14 @@ class LocalSandbox:
     # sandbox of a family, /proc/<agent>/root/... for a fork (its root exists only inside).
     agent_dir: Path | None = None
     gate: EgressGate | None = None  # its way out (started once it runs)
+    signals: SignalRelay | None = None  # its requests to pause or delete itself (§9)
     # Pausing: which freezer holds this sandbox's processes, and the pause/resume in flight.
     freezer: Freezer | None = None
     frozen: Handle | None = None
     limited: Applied | None = None  # the shape's limits as held on this host
     host_user: HostUser | None = None  # the host uid it runs as, when the engine is root
     transition: asyncio.Task | None = None
+    access_token: AccessToken | None = None  # §15.4: a key for this sandbox alone
     # Auto-pause: last exec/file request (monotonic) and execs still streaming.
     last_activity: float = field(default_factory=time.monotonic)
     active_execs: int = 0
@@ -278,7 +306,7 @@ class LocalSandbox:
             disk_mib=self.disk_mib, created_at=rfc3339(self.created_at),
             running_at=rfc3339(self.running_at) if self.running_at else None,
             destroyed_at=rfc3339(self.destroyed_at) if self.destroyed_at else None,
-            ingress_enabled=False, spawn_ms=self.spawn_ms, egress=list(self.egress),
+            ingress_enabled=False, region=LOCAL_REGION, spawn_ms=self.spawn_ms, egress=list(self.egress),
             envs=sorted(self.envs), auto_pause_after_seconds=self.auto_pause_after_seconds,
             forked_from=self.forked_from,
             paused_at=rfc3339(self.paused_at) if self.paused_at else None,
@@ -312,6 +340,8 @@ class Engine:
         # address of the host to a sandbox.
         self.api_addresses: list[tuple[str, int]] = []
         self._fallback: Freezer | None = None  # for a sandbox the freezer could not attach
+        self._background: set[asyncio.Task] = set()  # self-deletions under way
+        self.closing = False  # set on shutdown: no new sandboxes, running commands say why they end
 
     def touch(self) -> None:
         self.last_activity = time.monotonic()
@@ -325,7 +355,7 @@ class Engine:
     def get(self, sandbox_id: str) -> LocalSandbox:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
-            raise NotFound("sandbox not found")
+            raise NotFound("sandbox not found", code="sandbox_not_found")
         return sandbox
 
     def running(self, sandbox_id: str) -> LocalSandbox:
@@ -333,6 +363,35 @@ class Engine:
         if sandbox.status != SandboxStatus.RUNNING:
             raise Conflict(f"sandbox is {sandbox.status.value}, not running", code="invalid_state")
         return sandbox
+
+    def sandbox_for_token(self, offered: str) -> str | None:
+        """The id of the sandbox whose enabled access token `offered` is, if any."""
+        hashed = digest(offered)
+        return next((sb.id for sb in self.sandboxes.values()
+                     if sb.access_token and sb.access_token.accepts(hashed)), None)
+
+    # -- access tokens (§15.4) -----------------------------------------------------------
+
+    def create_access_token(self, sandbox_id: str) -> tuple[AccessToken, str]:
+        sandbox = self.get(sandbox_id)
+        if sandbox.access_token and sandbox.access_token.enabled:
+            raise Conflict("the sandbox already has an enabled access token: rotate or disable it",
+                           code="access_token_exists")
+        sandbox.access_token, plaintext = AccessToken.issue()
+        return sandbox.access_token, plaintext
+
+    def rotate_access_token(self, sandbox_id: str) -> tuple[AccessToken, str]:
+        sandbox = self.get(sandbox_id)
+        if not (sandbox.access_token and sandbox.access_token.enabled):
+            raise NotFound("the sandbox has no access token to rotate", code="access_token_not_found")
+        sandbox.access_token, plaintext = AccessToken.issue(previous=sandbox.access_token)
+        return sandbox.access_token, plaintext
+
+    def disable_access_token(self, sandbox_id: str) -> AccessToken | None:
+        sandbox = self.get(sandbox_id)
+        if sandbox.access_token:
+            sandbox.access_token.enabled = False
+        return sandbox.access_token
 
     def list(self, status: str | None = None) -> list[LocalSandbox]:
         found = sorted(self.sandboxes.values(), key=lambda sb: sb.created_at)
@@ -343,11 +402,16 @@ class Engine:
     # -- lifecycle --------------------------------------------------------------------
 
     async def create(self, request: CreateSandboxRequest) -> LocalSandbox:
+        if self.closing:
+            raise ShuttingDown("the local engine is shutting down", code="engine_shutting_down")
         shape = next((s for s in SHAPES if s.id == request.shape), None)
         if shape is None:
             raise InvalidRequest(f"unknown shape {request.shape!r}", code="unknown_shape")
-        if request.rootfs and request.rootfs not in ROOTFS.rootfs:
-            raise InvalidRequest(f"unknown rootfs {request.rootfs!r}", code="unknown_rootfs")
+        refuse_unsupported(request)
+        try:
+            local_rootfs(request.rootfs or HOST_PYTHON)
+        except UnknownRootfs as exc:
+            raise InvalidRequest(str(exc), code=exc.code) from None
         if request.disk_mib and request.disk_mib > MAX_DISK_MIB:
             raise InvalidRequest(f"disk_mib must be at most {MAX_DISK_MIB} (1 TiB)", code="invalid_disk_mib")
         name = request.name or self._free_name()
@@ -358,7 +422,7 @@ class Engine:
             id=sandbox_id, name=name, shape=shape, dirs=SandboxDirs(self.sandbox_root / sandbox_id),
             envs=dict(request.envs or {}), egress=checked_egress(request.egress),
             auto_pause_after_seconds=request.auto_pause_after_seconds,
-            disk_mib=request.disk_mib or shape.default_disk_mib, rootfs=request.rootfs or LOCAL_ROOTFS)
+            disk_mib=request.disk_mib or shape.default_disk_mib, rootfs=request.rootfs or HOST_PYTHON)
         self.sandboxes[sandbox_id] = sandbox
         self._start_auto_pauser()
         try:
@@ -392,7 +456,7 @@ class Engine:
         try:
             arguments = "\0".join(bwrap_arguments(
                 sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd, handover,
-                self.limiter.rlimits(sandbox.limits), packages=sandbox.rootfs == LOCAL_ROOTFS)) + "\0"
+                self.limiter.rlimits(sandbox.limits), packages=local_rootfs(sandbox.rootfs) == HOST_PYTHON)) + "\0"
             command = launch_command(handover.reachable(self.bwrap), args_read, listener.fileno())
             if sandbox.host_user:
                 command = sandbox.host_user.launcher(STAGE, handover.staged, command)
@@ -514,6 +578,8 @@ class Engine:
         # its forks live in.
         if sandbox.gate:
             await sandbox.gate.stop()
+        if sandbox.signals:
+            await sandbox.signals.stop()
         family = sandbox.family
         if family:
             family.members.discard(sandbox.id)
@@ -566,6 +632,8 @@ class Engine:
                 return name
 
     async def close(self) -> None:
+        """Destroy every sandbox (their running commands end with an error frame); no new ones."""
+        self.closing = True
         if self._auto_pauser:
             self._auto_pauser.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -598,8 +666,7 @@ class Engine:
     def fork(self, source_id: str, request: ForkSandboxRequest) -> LocalSandbox:
         """Start a fork (answer the child in `forking`, like CreateOS); a task makes it."""
         source = self._settled(source_id, SandboxStatus.PAUSED, "forked")
-        if request.ingress_enabled:
-            raise InvalidRequest("ingress is not supported by the local engine", code="ingress_unsupported")
+        refuse_unsupported(request)
         child_id = new_sandbox_id()
         child = LocalSandbox(
             id=child_id, name=self._free_name(), shape=source.shape,
@@ -653,15 +720,34 @@ class Engine:
         log.info("sandbox %s forked from %s (%d ms)", child.id, source.id, child.spawn_ms)
 
     def _open_gate(self, sandbox: LocalSandbox) -> None:
+        """Connect the running sandbox's agent to the world: egress, and its self-signals."""
         sandbox.gate = EgressGate(lambda: sandbox.agent, lambda: sandbox.egress,
                                   [port for _, port in self.api_addresses])
         sandbox.gate.start()
+        sandbox.signals = SignalRelay(lambda: sandbox.agent,
+                                      lambda action, reason: self._self_signal(sandbox, action, reason))
+        sandbox.signals.start()
+
+    async def _self_signal(self, sandbox: LocalSandbox, action: str, reason: str) -> None:
+        """A sandbox asked to pause or delete itself (as the owner's pause/DELETE would)."""
+        log.info("sandbox %s asks to %s itself (reason %r)", sandbox.id, action, reason)
+        if action == "pause":
+            with contextlib.suppress(EngineError):  # e.g. already pausing
+                self.pause(sandbox.id)
+        else:  # in a task of its own: destroying stops this relay, which awaits us
+            task = asyncio.get_running_loop().create_task(self._destroy_if_live(sandbox.id))
+            self._background.add(task)  # the loop keeps only weak references
+            task.add_done_callback(self._background.discard)
+
+    async def _destroy_if_live(self, sandbox_id: str) -> None:
+        with contextlib.suppress(EngineError):  # e.g. already being destroyed
+            await self.destroy(sandbox_id)
 
     def set_egress(self, sandbox_id: str, rules: list[str] | None) -> LocalSandbox:
         """Replace the whole rule list at once; the next connection already obeys it."""
         sandbox = self.get(sandbox_id)
         if sandbox.status in TERMINAL or sandbox.status == SandboxStatus.DESTROYING:
-            raise NotFound("sandbox not found")
+            raise NotFound("sandbox not found", code="sandbox_not_found")
         sandbox.egress = checked_egress(rules)
         if sandbox.gate:
             sandbox.gate.rules_changed()
@@ -669,9 +755,7 @@ class Engine:
 
     def patch(self, sandbox_id: str, request: PatchSandboxRequest) -> LocalSandbox:
         sandbox = self.get(sandbox_id)
-        if request.ingress_enabled:
-            raise InvalidRequest("ingress is not supported by the local engine",
-                                 code="ingress_unsupported")
+        refuse_unsupported(request)
         if sandbox.status in TERMINAL or sandbox.status == SandboxStatus.DESTROYING:
             raise Conflict(f"sandbox is {sandbox.status.value}", code="invalid_state")
         if request.disable_auto_pause:
@@ -745,19 +829,33 @@ class Engine:
     async def exec(self, sandbox_id: str, cmd: str, args: list[str], stdin: str = "",
                    env: dict[str, str] | None = None) -> AsyncIterator[dict]:
         """Yield CreateOS exec frames; closing the iterator early kills the command. `stdin`
-        is its whole standard input; `env` is added to the sandbox's envs (and wins)."""
+        is its whole standard input; `env` is added to the sandbox's envs (and wins). Raises
+        an EngineError saying why if the command is cut off (sandbox destroyed, engine
+        shutting down, agent gone) before its exit code."""
         sandbox = self.running(sandbox_id)
         sandbox.active_execs += 1  # a running command is activity for its whole duration
         sandbox.touch()
+        exited = False
         try:
             async for frame in sandbox.agent.exec(cmd, args, {**sandbox.envs, **(env or {})}, stdin):
+                exited = exited or "exit_code" in frame
                 yield frame
-        except AgentUnavailable:
-            yield {"error": "sandbox agent is not reachable"}
-            yield {"exit_code": -1}
+        except (AgentUnavailable, ConnectionError, ValueError):
+            pass
         finally:
             sandbox.active_execs -= 1
             sandbox.touch()
+        if not exited:  # the agent went away mid-command
+            raise self.why_exec_ended(sandbox)
+
+    def why_exec_ended(self, sandbox: LocalSandbox) -> EngineError:
+        """Why a command's agent connection ended before the command did."""
+        if self.closing:  # a 500, not a 503: clients would retry the command on a 503
+            return EngineStopped("the local engine shut down while the command ran",
+                                 code="engine_shut_down")
+        if sandbox.status in (SandboxStatus.DESTROYING, SandboxStatus.DESTROYED):
+            return Conflict("the sandbox was destroyed while the command ran", code="sandbox_destroyed")
+        return AgentLost("sandbox agent is not reachable", code="agent_unreachable")
 
     async def write_file(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes],
                          size: int | None) -> int:

@@ -25,6 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import envelope
 from ..api.models import (
+    BandwidthRecharge,
+    BandwidthView,
     CreateProcessRequest,
     CreateSandboxRequest,
     CreateSandboxResponse,
@@ -38,6 +40,7 @@ from ..api.models import (
     FileUploadResponse,
     ForkSandboxRequest,
     Health,
+    HostPublic,
     ManagedProcess,
     PatchSandboxRequest,
     ProcessAck,
@@ -49,9 +52,18 @@ from ..api.models import (
     Readiness,
     WaitScope,
 )
+from .access_tokens import (
+    SANDBOX_ROUTE,
+    AccessToken,
+    AccessTokenCreated,
+    AccessTokenMetadata,
+    token_may_use,
+)
 from . import processes
 from .agent_client import AgentUnavailable
-from .engine import HEARTBEAT_SECONDS, ROOTFS, SHAPES, Engine, EngineError, LocalSandbox, rfc3339
+from .catalog import CATALOG
+from .engine import HEARTBEAT_SECONDS, SHAPES, Engine, EngineError, LocalSandbox, rfc3339
+from .unsupported import add_unsupported_routes
 
 log = logging.getLogger("sandbox_kernel.server")
 
@@ -64,6 +76,7 @@ STREAM_BACKLOG = 16  # exec frames (64 KiB of output each at most) waiting for a
 MAX_PAGE = 500
 DEFAULT_PAGE = 50
 MAX_WAIT_MS = 3_600_000  # the longest kill grace the engine accepts (an hour)
+UNMETERED = -1  # CreateOS's quota_bytes for a sandbox without a bandwidth quota
 
 
 def jsend(data: Any, status: int = 200) -> JSONResponse:
@@ -91,12 +104,12 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     @app.middleware("http")
     async def authenticate(request: Request, call_next):  # type: ignore[no-untyped-def]
         request_id = uuid.uuid4().hex
+        refusal = None if request.url.path in PUBLIC_ROUTES else refuse_key(
+            engine, token, offered_credential(request), request.url.path)
+        if refusal is not None:
+            refusal.headers["X-Request-Id"] = request_id
+            return refusal
         if request.url.path not in PUBLIC_ROUTES:
-            offered = request.headers.get("x-api-key", "")
-            if not hmac.compare_digest(offered.encode(), token.encode()):
-                response: Response = jsend_fail(401, "missing or invalid API key", "unauthorized")
-                response.headers["X-Request-Id"] = request_id
-                return response
             engine.touch()
         try:
             response = await call_next(request)
@@ -118,13 +131,16 @@ def create_app(engine: Engine, token: str) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        fields = {".".join(str(p) for p in err["loc"][1:]) or "body": err["msg"]
-                  for err in exc.errors()}
+        errors = exc.errors()
+        if any(err["type"] == "json_invalid" for err in errors):
+            return jsend_fail(400, "request body is not valid JSON", "invalid_json")
+        fields = {".".join(str(p) for p in err["loc"][1:]) or "body": err["msg"] for err in errors}
         return JSONResponse(envelope.fail({**fields, "code": "validation"}), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return jsend_fail(exc.status_code, str(exc.detail))
+        codes = {404: "route_not_found", 405: "method_not_allowed"}
+        return jsend_fail(exc.status_code, str(exc.detail), codes.get(exc.status_code))
 
     @app.exception_handler(Exception)
     async def internal(_: Request, exc: Exception) -> JSONResponse:
@@ -147,7 +163,7 @@ def create_app(engine: Engine, token: str) -> FastAPI:
 
     @app.get("/v1/rootfs")
     async def rootfs() -> JSONResponse:
-        return jsend(ROOTFS)
+        return jsend(CATALOG)
 
     @app.get("/v1/whoami")
     async def whoami() -> JSONResponse:
@@ -207,6 +223,34 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     @app.put("/v1/sandboxes/{sandbox_id}/egress")
     async def put_egress(sandbox_id: str, body: EgressUpdate) -> JSONResponse:
         return jsend(egress_view(engine.set_egress(sandbox_id, body.egress)))
+
+    # -- bandwidth (counted by the egress proxy; never metered locally) ---------------------
+
+    @app.get("/v1/sandboxes/{sandbox_id}/bandwidth")
+    async def bandwidth(sandbox_id: str) -> JSONResponse:
+        return jsend(bandwidth_view(engine.get(sandbox_id)))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/bandwidth/recharge")
+    async def recharge_bandwidth(sandbox_id: str, body: BandwidthRecharge) -> JSONResponse:
+        return jsend(bandwidth_view(engine.get(sandbox_id)))  # a no-op when unmetered (§7)
+
+    # -- per-sandbox access tokens (§15.4) -------------------------------------------------
+
+    @app.post("/v1/sandboxes/{sandbox_id}/access-token")
+    async def create_access_token(sandbox_id: str) -> JSONResponse:
+        return jsend(token_created(*engine.create_access_token(sandbox_id)))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/access-token/rotate")
+    async def rotate_access_token(sandbox_id: str) -> JSONResponse:
+        return jsend(token_created(*engine.rotate_access_token(sandbox_id)))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/access-token")
+    async def get_access_token(sandbox_id: str) -> JSONResponse:
+        return jsend(token_metadata(engine.get(sandbox_id).access_token))
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/access-token")
+    async def disable_access_token(sandbox_id: str) -> JSONResponse:
+        return jsend(token_metadata(engine.disable_access_token(sandbox_id)))
 
     # -- exec ----------------------------------------------------------------------------
 
@@ -300,6 +344,13 @@ def create_app(engine: Engine, token: str) -> FastAPI:
         return StreamingResponse(closing_after(chunks, held), media_type="application/octet-stream",
                                  headers={"Content-Length": str(size)})
 
+    # -- hosts: the local engine is one host ---------------------------------------------
+
+    @app.get("/v1/hosts")
+    async def hosts(limit: int = DEFAULT_PAGE, offset: int = 0) -> JSONResponse:
+        return page([local_host(engine)], limit, offset)
+
+    add_unsupported_routes(app, engine)
     return app
 
 
@@ -333,6 +384,66 @@ async def closing_after(chunks: AsyncIterator[bytes], held: contextlib.AsyncExit
             yield chunk
 
 
+# CreateOS reads these before X-Api-Key (§1), so a stale one shadows a good key there: the
+# same here, so a client that would fail on CreateOS fails locally too.
+SHADOWING_HEADERS = ("x-auth-token", "x-access-token", "authorization")
+
+
+def offered_credential(request: Request) -> str:
+    for name in SHADOWING_HEADERS:
+        if name in request.headers:
+            value = request.headers[name]
+            return value.removeprefix("Bearer ") if name == "authorization" else value
+    return request.headers.get("x-api-key", "")
+
+
+def refuse_key(engine: Engine, token: str, offered: str, path: str) -> Response | None:
+    """None if `offered` may call `path`: the engine's key anywhere, a sandbox's access
+    token on its own sandbox's routes only; else the refusal to send."""
+    if hmac.compare_digest(offered.encode(), token.encode()):
+        return None
+    bound = engine.sandbox_for_token(offered) if offered else None
+    if bound is None:
+        return jsend_fail(401, "missing or invalid API key", "unauthorized")
+    if token_may_use(path, bound):
+        return None
+    route = SANDBOX_ROUTE.match(path)
+    if route and route["id"] != bound:
+        return jsend_fail(404, "sandbox not found", "sandbox_not_found")  # as for another owner's
+    return jsend_fail(403, "a sandbox access token can only operate its own sandbox",
+                      "access_token_scope")
+
+
+def token_created(access_token: AccessToken, plaintext: str) -> AccessTokenCreated:
+    return AccessTokenCreated(
+        token=plaintext, enabled=access_token.enabled, created_at=rfc3339(access_token.created_at),
+        rotated_at=rfc3339(access_token.rotated_at) if access_token.rotated_at else None)
+
+
+def token_metadata(access_token: AccessToken | None) -> AccessTokenMetadata:
+    if access_token is None:
+        return AccessTokenMetadata(enabled=False)
+    return AccessTokenMetadata(
+        enabled=access_token.enabled, token_hint=access_token.hint if access_token.enabled else None,
+        created_at=rfc3339(access_token.created_at),
+        rotated_at=rfc3339(access_token.rotated_at) if access_token.rotated_at else None)
+
+
+def bandwidth_view(sandbox: LocalSandbox) -> BandwidthView:
+    proxy = sandbox.gate.proxy if sandbox.gate else None
+    return BandwidthView(id=sandbox.id, quota_bytes=UNMETERED, remaining_bytes=UNMETERED,
+                         used_bytes=proxy.bytes_out if proxy else 0,
+                         ingress_bytes=proxy.bytes_in if proxy else 0, capped=False)
+
+
+def local_host(engine: Engine) -> HostPublic:
+    with open("/proc/meminfo") as meminfo:
+        available = next((int(line.split()[1]) // 1024 for line in meminfo
+                          if line.startswith("MemAvailable:")), 0)
+    return HostPublic(id="local", status="active", free_mib=available, vm_count=engine.live_count,
+                      rootfses=CATALOG.rootfs)
+
+
 def egress_view(sandbox: LocalSandbox) -> EgressView:
     proxy = sandbox.gate.proxy if sandbox.gate else None
     return EgressView(
@@ -361,6 +472,9 @@ async def exec_stream(engine: Engine, sandbox_id: str, body: ExecRequest) -> Asy
         try:
             async for frame in engine.exec(sandbox_id, body.cmd, body.args, body.stdin or "", body.env):
                 await frames.put(frame)
+        except EngineError as cut:  # as CreateOS ends a stream: an error frame, then the exit
+            await frames.put({"error": str(cut)})
+            await frames.put({"exit_code": -1})
         finally:
             await frames.put(None)
 

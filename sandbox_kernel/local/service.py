@@ -36,6 +36,7 @@ TOKEN_FILE = "token"
 SOCKET_FILE = "engine.sock"
 START_TIMEOUT = 30.0
 SUN_PATH_MAX = 107
+KEEP_ALIVE_SECONDS = 65
 
 
 @dataclass(frozen=True)
@@ -148,19 +149,25 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     import uvicorn
 
     from .engine import Engine
+    from .engine_server import EngineServer
     from .server import create_app
 
     # Everything the engine creates (sandbox dirs, logs, disk images) is its user's alone.
     # (The agent sets the usual 022 again for the sandbox's own files.)
     os.umask(0o077)
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # `serve --state-dir NEW` makes it
     token = load_or_create_token(state_dir)
     engine = Engine(state_dir)
     app = create_app(engine, token)
     tcp = _listen_tcp(host, port)
     unix = _listen_unix(state_dir / SOCKET_FILE)
     sockets = [s for s in (tcp, unix) if s is not None]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5))
+    # Idle keep-alive connections are kept well past the 5 s after which httpx (the vendor
+    # SDK's client) drops its own: with uvicorn's default, also 5 s, the engine could close
+    # one just as a client reuses it, failing a POST the client may not retry.
+    server = EngineServer(engine, uvicorn.Config(app, log_level="warning", access_log=False,
+                                                 timeout_graceful_shutdown=5,
+                                                 timeout_keep_alive=KEEP_ALIVE_SECONDS))
     bound_host, bound_port = tcp.getsockname()[:2]
     engine.api_addresses.append((bound_host, bound_port))
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host

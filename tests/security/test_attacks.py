@@ -18,6 +18,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 
 from attack_helpers import ONCE, attempt
 from kernel_helpers import running_kernel
+from sandbox_kernel.local.egress_gate import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = [pytest.mark.slow, ONCE]
@@ -172,8 +173,9 @@ def test_host_loopback_and_engine_api_are_unreachable(kc, engine: EngineEndpoint
             def connect(port):
                 socket.create_connection(('127.0.0.1', port), timeout=3).close()
             def via_proxy(port):
-                # The sandbox's only way out: the engine's egress proxy (http_proxy is set).
-                urllib.request.urlopen('http://127.0.0.1:%d/v1/whoami' % port, timeout=10)
+                # The sandbox's only way out: the engine's egress proxy (http_proxy is set),
+                # where the host's loopback is {HOST_ALIAS}.
+                urllib.request.urlopen('http://{HOST_ALIAS}:%d/v1/whoami' % port, timeout=10)
             def unix(path):
                 with socket.socket(socket.AF_UNIX) as s:
                     s.connect(path)

@@ -16,6 +16,7 @@ Protocol (unix socket, one request per connection): the engine sends one JSON li
     {"op": "egress_listen"}
     {"op": "egress_attach", "stream": N}
     {"op": "process_<create|list|get|kill|wait|input|stdin_close|resize|signal|connect>", ...}
+    {"op": "signal_listen"}   (the sandbox's self-signals, see self_signal.py)
 and gets back JSON lines. exec answers with CreateOS exec frames, one per line
 ({"stdout": s} / {"stderr": s} / {"error": s} / {"exit_code": n}); write answers
 {"ok": true, "bytes": N}; read answers {"ok": true, "size": N} then N raw bytes;
@@ -56,6 +57,7 @@ from collections.abc import AsyncIterator
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script dir out
 
 from processes import ProcessError, ProcessTable  # noqa: E402 - needs the path above
+import self_signal  # noqa: E402 (needs the path above)
 
 CHUNK = 64 * 1024
 MAX_HEADER = 1 << 20
@@ -90,6 +92,7 @@ class Agent:
         self.pending: dict = {}  # stream number -> future of the engine's attach connection
         self.streams = 0
         self.processes = ProcessTable(workdir)  # managed processes (processes.py)
+        self.signals = self_signal.SelfSignals()  # POST 127.0.0.1:1029/self/pause|delete
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         handed_over = False  # an egress stream now belongs to its splice
@@ -109,6 +112,8 @@ class Agent:
                 await self.fork(request, writer)
             elif op == "egress_listen":
                 await self.egress_listen(reader, writer)
+            elif op == "signal_listen":
+                await self.signals.engine_listens(reader, writer)
             elif op == "egress_attach":
                 handed_over = self.egress_attach(request, reader, writer)
             elif isinstance(op, str) and op.startswith("process_"):
@@ -209,11 +214,13 @@ class Agent:
         except OSError as exc:
             writer.write(failure(os_error_code(exc), "%s: %s" % (path, exc.strerror)))
             return
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # a FIFO or device would block or never end
+            os.close(fd)  # (and fdopen would raise on a directory)
+            what = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            writer.write(failure("invalid", "%s: %s" % (path, what)))
+            return
         with os.fdopen(fd, "rb") as src:
-            info = os.fstat(src.fileno())
-            if not stat.S_ISREG(info.st_mode):  # a FIFO or device would block or never end
-                writer.write(failure("invalid", "%s: not a regular file" % path))
-                return
             writer.write(frame({"ok": True, "size": info.st_size}))
             remaining = info.st_size
             while remaining:
@@ -495,6 +502,7 @@ async def serve(socket_path: str, workdir: str, listen_fd: int | None) -> None:
     egress_port = os.environ.get("SANDBOX_EGRESS_PORT")
     if egress_port:
         await asyncio.start_server(agent.egress_client, "127.0.0.1", int(egress_port))
+    await self_signal.serve(agent.signals)
     if listen_fd is not None:
         listener = socket.socket(fileno=listen_fd)
         server = await asyncio.start_unix_server(agent.handle, sock=listener, limit=MAX_HEADER)
