@@ -22,7 +22,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -90,34 +90,33 @@ def kernel_alive(pid: int | None) -> bool:
 
 # -- what a kernel records ---------------------------------------------------------------
 
+def _update(sandbox_id: str, change: Callable[[Record], None]) -> None:
+    """Apply `change` to the sandbox's record (a new one if it has none), under the lock."""
+    with _locked() as folder:
+        record = _read(folder, sandbox_id) or Record()
+        change(record)
+        _write(folder, sandbox_id, record)
+
+
 def own(sandbox_id: str) -> None:
     """This kernel is now responsible for the sandbox (and drives it or may)."""
     me = os.getpid()
-    with _locked() as folder:
-        record = _read(folder, sandbox_id) or Record()
+
+    def take(record: Record) -> None:
         record.owner, record.kept, record.handoff_until = me, False, 0.0
-        if me not in record.users:
-            record.users.append(me)
-        _write(folder, sandbox_id, record)
+        record.users = [*(pid for pid in record.users if pid != me), me]
+    _update(sandbox_id, take)
 
 
 def use(sandbox_id: str) -> None:
     """This kernel drives a sandbox it does not own (attach): its owner stays responsible."""
     me = os.getpid()
-    with _locked() as folder:
-        record = _read(folder, sandbox_id) or Record()
-        if me not in record.users:
-            record.users.append(me)
-            _write(folder, sandbox_id, record)
+    _update(sandbox_id, lambda record: record.users.append(me) if me not in record.users else None)
 
 
 def stop_using(sandbox_id: str) -> None:
     me = os.getpid()
-    with _locked() as folder:
-        record = _read(folder, sandbox_id)
-        if record is not None and me in record.users:
-            record.users.remove(me)
-            _write(folder, sandbox_id, record)
+    _update(sandbox_id, lambda record: setattr(record, "users", [pid for pid in record.users if pid != me]))
 
 
 def owns(sandbox_id: str) -> bool:
@@ -135,10 +134,10 @@ def owned_here() -> list[str]:
 
 def keep(sandbox_id: str) -> None:
     """The user hands the sandbox off: no kernel destroys it, `gc` leaves it alone."""
-    with _locked() as folder:
-        record = _read(folder, sandbox_id) or Record()
+
+    def hand_off(record: Record) -> None:
         record.owner, record.kept, record.handoff_until = None, True, 0.0
-        _write(folder, sandbox_id, record)
+    _update(sandbox_id, hand_off)
 
 
 def driven_elsewhere(sandbox_id: str) -> int | None:
@@ -153,20 +152,18 @@ def driven_elsewhere(sandbox_id: str) -> int | None:
 def hand_over(sandbox_id: str, heir: int) -> None:
     """Make another live kernel that drives the sandbox its owner."""
     me = os.getpid()
-    with _locked() as folder:
-        record = _read(folder, sandbox_id) or Record()
+
+    def bequeath(record: Record) -> None:
         record.owner, record.users = heir, [pid for pid in record.users if pid != me]
-        _write(folder, sandbox_id, record)
+    _update(sandbox_id, bequeath)
 
 
 def await_successor(sandbox_ids: list[str], seconds: float) -> None:
     """A restart: these stay this (exiting) kernel's until its successor owns them, or
     `seconds` pass without one (then they are orphans)."""
-    with _locked() as folder:
-        for sandbox_id in sandbox_ids:
-            if (record := _read(folder, sandbox_id)) is not None:
-                record.handoff_until = time.time() + seconds
-                _write(folder, sandbox_id, record)
+    until = time.time() + seconds
+    for sandbox_id in sandbox_ids:
+        _update(sandbox_id, lambda record: setattr(record, "handoff_until", until))
 
 
 def forget(sandbox_id: str, name: str | None = None) -> None:
@@ -256,6 +253,8 @@ def describe_owner(sandbox_id: str, name: str | None) -> str:
         return f"kernel {owner}" if kernel_alive(owner) else ("gone (gc)" if owner else "-")
     if record.kept:
         return "kept"
+    if record.owner is None:  # only driven (attached to) from here: nobody's to clean up
+        return "-"
     if kernel_alive(record.owner):
         return f"kernel {record.owner}"
     if record.handoff_until >= time.time():
