@@ -35,12 +35,13 @@ def hourly(view: SandboxView, prices: PriceBook, state: SandboxStatus) -> float:
 async def adopt_unfinished_creates(client: SandboxClient) -> None:
     """Creates this kernel began and has no id for (it is shutting down while its sandbox
     starts): the sandboxes that already exist under those names become owned, so the
-    policy reaches them. One still in flight keeps its trace for `gc`."""
+    policy reaches them. One still in flight or `creating` keeps its trace for `gc`."""
     pending = ownership.creating_here()
     if not pending:
         return
     for view in await client.list_sandboxes():
-        if view.name in pending and view.status not in names.GONE:
+        # One still `creating` is left to its trace: destroying it half-made races the create.
+        if view.name in pending and view.status not in (*names.GONE, SandboxStatus.CREATING):
             ownership.created(view.name, view.id)
 
 
