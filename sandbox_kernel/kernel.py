@@ -43,7 +43,8 @@ BOOT_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
 # Options a kernel argument can set (--SandboxKernel.<name>=...); they win over the
 # environment and the config file.
-KERNEL_ARGUMENTS = ("sandbox_id", "on_shutdown", "egress", "shape", "rootfs", "auto_pause", "warm_pool")
+KERNEL_ARGUMENTS = ("sandbox_id", "sandbox_name", "on_shutdown", "egress", "shape", "rootfs", "auto_pause",
+                    "warm_pool")
 
 T = TypeVar("T")
 
@@ -62,6 +63,8 @@ class SandboxKernel(Kernel):
     # over the matching environment variables.
     sandbox_id = Unicode("", help="drive this existing sandbox (e.g. a fork) instead of creating one"
                          ).tag(config=True)
+    sandbox_name = Unicode("", help="name of the sandbox the kernel creates (unique per provider)"
+                           ).tag(config=True)
     on_shutdown = Unicode("", help="destroy, pause or keep the sandbox when the kernel shuts down"
                           ).tag(config=True)
     egress = Unicode("", help="egress allowlist for the sandbox the kernel creates, comma-separated"

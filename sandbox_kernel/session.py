@@ -157,7 +157,7 @@ class SandboxSession:
         client = self._client()
         # Named by us, so that a kernel stopped before the create returns still leaves a
         # trace that shutdown and `gc` can follow to the sandbox (ownership.creating).
-        name = f"notebook-{secrets.token_hex(4)}"
+        name = self.settings.name or f"notebook-{secrets.token_hex(4)}"
         ownership.creating(name)
         try:
             created = await client.create_sandbox(
@@ -167,6 +167,9 @@ class SandboxSession:
         except SandboxAPIError as exc:
             if exc.status_code is not None and exc.status_code < 500:  # refused: nothing was made
                 ownership.created(name, None)
+            if isinstance(exc, ConflictError) and self.settings.name:
+                raise SessionError(f"the name {name!r} is taken on {self.settings.description}: "
+                                   "choose another (SANDBOX_KERNEL_SANDBOX_NAME)") from None
             raise
         ownership.created(name, created.id)
         self.sandbox_id = created.id
@@ -180,7 +183,7 @@ class SandboxSession:
 
         Either way the pool is topped up afterwards, in the background.
         """
-        if not self.settings.warm_pool:
+        if not self.settings.warm_pool or self.settings.name:  # a pooled sandbox has its name already
             return False
         warm = pool.WarmPool.for_settings(self.settings, self.settings.warm_pool)
         while (sandbox_id := warm.claim()) is not None:
@@ -205,7 +208,8 @@ class SandboxSession:
 
     async def _make_pool_member(self) -> str:
         """A new sandbox with its runner started, claimed by this kernel until it is pooled."""
-        member = SandboxSession(replace(self.settings, auto_pause=pool.MEMBER_AUTO_PAUSE, warm_pool=0))
+        member = SandboxSession(replace(self.settings, auto_pause=pool.MEMBER_AUTO_PAUSE, warm_pool=0,
+                                        name=None))
         member.client = self._client()
         self.making_pool_member = True
         try:

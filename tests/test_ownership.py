@@ -199,3 +199,22 @@ def test_a_kernel_killed_while_its_sandbox_starts_leaves_it_to_gc(kernelspec: st
         assert sandbox_status(engine, held) == SandboxStatus.RUNNING
         assert f"{held}: orphaned, destroyed" in cli("gc").stdout
         assert sandbox_status(engine, held) in GONE
+
+
+def test_a_kernel_creates_its_sandbox_under_the_name_asked_for_once(kernelspec: str, engine: EngineEndpoint,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SANDBOX_KERNEL_SANDBOX_NAME", "named-nb")
+    km1, kc1 = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT)
+    km2, kc2 = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT)
+    try:
+        assert "name         named-nb" in shown(ok(execute(kc1, "%sandbox status")))
+        refused = execute(kc2, "1")
+        assert refused.reply["content"]["status"] == "error"
+        assert refused.text("stderr") == \
+            f"sandbox-kernel: the name 'named-nb' is taken on {PROVIDER}: choose another (SANDBOX_KERNEL_SANDBOX_NAME)\n"
+        assert [line for line in cli("ls").stdout.splitlines() if "named-nb" in line][0].startswith(sandbox_of(kc1))
+    finally:
+        for km, kc in ((km1, kc1), (km2, kc2)):
+            kc.stop_channels()
+            km.shutdown_kernel()
+    assert "named-nb" not in cli("ls").stdout
