@@ -30,7 +30,7 @@ from .config import ConfigError, Settings
 from .history import open_history
 from .magics import MagicError, SandboxMagics, split_cell
 from .output import CellOutput, OutputGuard
-from .handoff import farewell
+from .shutdown_policy import farewell
 from .paths import state_dir, write_private
 from .session import RESTART_HANDOFF_WAIT, SandboxSession, SessionError
 
@@ -38,7 +38,7 @@ log = logging.getLogger("sandbox_kernel.kernel")
 
 HANDOFF_MAX_AGE = RESTART_HANDOFF_WAIT  # a restart hand-off older than this is stale
 # Shutting down while the sandbox still starts: wait this long for it (jupyter_client kills
-# a kernel that takes 5 s), then stop waiting and find the sandbox by its name (handoff.py).
+# a kernel that takes 5 s), then stop waiting and find the sandbox by its name (shutdown_policy.py).
 BOOT_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
 # Options a kernel argument can set (--SandboxKernel.<name>=...); they win over the

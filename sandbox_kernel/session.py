@@ -39,7 +39,7 @@ from .api import (
     SandboxView,
     ServerError,
 )
-from . import handoff, names, ownership, pool
+from . import names, ownership, pool, shutdown_policy
 from .config import Settings, open_client
 from .cost import Cost, Meter
 
@@ -541,15 +541,15 @@ class SandboxSession:
         self.meter.note_gone(sandbox_id)
         ownership.forget(sandbox_id)
 
-    async def shutdown(self, policy: str | None = None) -> list[handoff.Kept]:
+    async def shutdown(self, policy: str | None = None) -> list[shutdown_policy.Kept]:
         """Close the session, applying `policy` (or on_shutdown) to every sandbox this
-        kernel owns; return those kept (handoff.py)."""
+        kernel owns; return those kept (shutdown_policy.py)."""
         if self.client is None:
             return []
         await self._stop_refill()
         try:
-            return await handoff.apply_policy(self.client, policy or self.on_shutdown, self.meter.prices,
-                                              self.kept)
+            return await shutdown_policy.apply_policy(self.client, policy or self.on_shutdown,
+                                                      self.meter.prices, self.kept)
         finally:
             for sandbox_id in self.known:
                 ownership.stop_using(sandbox_id)
@@ -558,7 +558,7 @@ class SandboxSession:
 
     async def close_for_restart(self) -> list[str]:
         """A kernel restart: everything this kernel owns waits for its successor (which
-        takes it over from the handoff); return those ids."""
+        takes them over from the restart hand-off file); return those ids."""
         owned = ownership.owned_here()
         ownership.await_successor(owned, RESTART_HANDOFF_WAIT)
         await self._stop_refill()

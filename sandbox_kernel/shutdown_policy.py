@@ -13,7 +13,7 @@ from . import names, ownership
 from .api import NotFoundError, SandboxAPIError, SandboxClient, SandboxStatus, SandboxView
 from .cost import PriceBook
 
-log = logging.getLogger("sandbox_kernel.handoff")
+log = logging.getLogger("sandbox_kernel.shutdown_policy")
 
 
 @dataclass(frozen=True)
