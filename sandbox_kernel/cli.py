@@ -15,7 +15,13 @@ from .paths import state_dir
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .local.service import serve
+    from .local.service import serve, stop_engine
+
+    if args.stop:
+        where = args.state_dir or state_dir()
+        print("local engine stopped; its sandboxes keep running for the next one"
+              if stop_engine(where) else f"no local engine running for {where}")
+        return 0
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -156,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--state-dir", type=Path, help="state directory (token, socket, sandboxes)")
     serve.add_argument("--idle-timeout", type=float, default=0.0,
                        help="exit after this many seconds with no sandboxes (0: never)")
+    serve.add_argument("--stop", action="store_true",
+                       help="stop the running engine of the state dir; its sandboxes keep running "
+                            "(the next engine, started on demand, takes them over)")
     serve.set_defaults(run=cmd_serve)
 
     ls = sub.add_parser("ls", help="list sandboxes: name, state, shape, age, cost so far (CreateOS "

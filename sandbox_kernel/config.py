@@ -231,8 +231,13 @@ async def open_client(settings: Settings, state: Path | None = None) -> SandboxC
         return SandboxClient(settings.base_url, settings.api_key)
     from .local.service import ensure_engine
 
-    endpoint = await asyncio.to_thread(ensure_engine, state or state_dir(),
-                                       settings.engine_idle_timeout)
+    from .local.service import EngineRestarting
+
+    state = state or state_dir()
+    endpoint = await asyncio.to_thread(ensure_engine, state, settings.engine_idle_timeout)
     if settings.engine_transport == "unix" and endpoint.socket:
-        return SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, endpoint.token, uds=endpoint.socket)
+        # The socket's path stays when the engine is restarted: a request that finds no
+        # engine there starts one (which takes the sandboxes over) and goes again.
+        return SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, endpoint.token, uds=endpoint.socket,
+                             transport=EngineRestarting(endpoint.socket, state, settings.engine_idle_timeout))
     return SandboxClient(endpoint.url, endpoint.token)

@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -35,7 +36,7 @@ from ..api.models import (
 from ..egress_rules import EgressRuleError, validate as validate_egress
 from .agent_client import AgentClient, AgentError, AgentUnavailable
 from .egress_gate import EgressGate
-from . import disk, seccomp
+from . import disk, registry, seccomp
 from .bwrap import AGENT_DIR, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
 from .freezer import CgroupV2Freezer, Freezer, Handle, SignalFreezer, select as select_freezer
 from .limits import Applied, Limits, select as select_limiter
@@ -123,7 +124,7 @@ class Family:
     member's agent stays on as the namespace's keeper while relatives remain.
     """
 
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | registry.AdoptedProcess
     founder: str  # the sandbox bwrap was started for; its agent holds the namespace
     members: set[str] = field(default_factory=set)  # ids of its sandboxes not yet destroyed
     # Host pids that hold the pid namespace: bwrap, its init and the command init runs
@@ -215,6 +216,29 @@ class LocalSandbox:
             oom_kills=self.limited.oom_kills() if self.limited else None,
             limits=self.limited.description if self.limited else None)
 
+    def record(self) -> dict:
+        """What a later engine needs to take this sandbox over (registry.py)."""
+        family, frozen, limited = self.family, self.frozen, self.limited
+        assert family is not None
+        return {
+            "id": self.id, "name": self.name, "shape": self.shape.id, "envs": self.envs,
+            "egress": self.egress, "auto_pause_after_seconds": self.auto_pause_after_seconds,
+            "disk_mib": self.disk_mib, "rootfs": self.rootfs, "status": self.status.value,
+            "created_at": self.created_at, "running_at": self.running_at, "spawn_ms": self.spawn_ms,
+            "paused_at": self.paused_at, "last_resumed_at": self.last_resumed_at,
+            "forked_from": self.forked_from, "agent_dir": str(self.agent_dir) if self.agent_dir else None,
+            "family": {"founder": family.founder, "bwrap_pid": family.process.pid,
+                       "bwrap_started": registry.start_time(family.process.pid),
+                       "keepers": sorted(family.keepers)},
+            "frozen": frozen and {"pid": frozen.pid, "cgroup": str(frozen.cgroup) if frozen.cgroup else None,
+                                  "more": list(frozen.more), "stopped": sorted(frozen.stopped),
+                                  "spared": sorted(frozen.spared)},
+            "limited": limited and {"description": limited.description,
+                                    "v1_cgroups": {k: str(v) for k, v in limited.v1_cgroups.items()},
+                                    "v2_cgroup": str(limited.v2_cgroup) if limited.v2_cgroup else None,
+                                    "oom_events": str(limited.oom_events) if limited.oom_events else None},
+        }
+
     def touch(self) -> None:
         self.last_activity = time.monotonic()
 
@@ -234,8 +258,8 @@ class Engine:
         log.info("pausing sandboxes with: %s", self.freezer.describe())
         self.limiter = select_limiter(self.freezer.parent if isinstance(self.freezer, CgroupV2Freezer) else None)
         self.disk_capped = disk.available()
-        self._reap_leftovers()
         self._auto_pauser: asyncio.Task | None = None
+        self._reap_leftovers(self._adopt())
         # The engine's own API addresses: no egress rule may open them to a sandbox.
         self.api_addresses: list[tuple[str, int]] = []
         self._fallback: Freezer | None = None  # for a sandbox the freezer could not attach
@@ -319,7 +343,7 @@ class Engine:
                 if self.disk_capped:
                     command = disk.mounted(command, image, sandbox.dirs.volume)
                 process = await asyncio.create_subprocess_exec(
-                    *command,
+                    *command, start_new_session=True,  # no signal to the engine's group reaches it
                     pass_fds=(args_read, seccomp_fd, listener.fileno()),
                     stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
         finally:
@@ -338,6 +362,7 @@ class Engine:
         sandbox.spawn_ms = int((time.monotonic() - started) * 1000)
         sandbox.running_at = time.time()
         sandbox.status = SandboxStatus.RUNNING
+        self._save(sandbox)
         asyncio.get_running_loop().create_task(self._watch(sandbox.family))
         log.info("sandbox %s running (%d ms)", sandbox.id, sandbox.spawn_ms)
 
@@ -421,8 +446,8 @@ class Engine:
 
     async def _stop(self, sandbox: LocalSandbox) -> None:
         # The freezer kills whatever it holds and thaws it (a frozen process only dies
-        # once thawed). Killing bwrap kills its init (--die-with-parent), and with it the
-        # whole pid namespace: that happens with the family's last sandbox. Before that,
+        # once thawed). Killing bwrap's init, and with it the whole pid namespace, and
+        # bwrap happens with the family's last sandbox. Before that,
         # the founder's agent, bwrap and its init stay, as the keepers of the namespace
         # its forks live in.
         if sandbox.gate:
@@ -438,6 +463,11 @@ class Engine:
                     sandbox.limited.move(family.keepers)
             await asyncio.to_thread(sandbox.freezer.kill, sandbox.frozen)
         if last and family and family.process.returncode is None:
+            # bwrap has no --die-with-parent (sandboxes outlive the engine), so its init
+            # (read as bwrap's child while bwrap still runs) does not die with it.
+            for pid in child_pids(family.process.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
             family.process.kill()
             await family.process.wait()
         if sandbox.freezer and sandbox.frozen:
@@ -448,12 +478,74 @@ class Engine:
             sandbox.limited = None
         await asyncio.to_thread(shutil.rmtree, sandbox.dirs.root, True)
 
-    def _reap_leftovers(self) -> None:
-        """Clear what an engine that died left in this state dir: its sandboxes' processes
-        died with it (bwrap's --die-with-parent), but not their cgroups and files.
-        A frozen v1 cgroup would keep its processes alive, so it is thawed and emptied.
-        (Disk volumes are mounted only in their sandbox's mount namespace: gone with it.)"""
-        stale = {entry.name for entry in os.scandir(self.sandbox_root) if entry.is_dir()}
+    def _save(self, sandbox: LocalSandbox) -> None:
+        if sandbox.family is not None and sandbox.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED):
+            registry.save(sandbox.dirs.root, sandbox.record())
+
+    def _adopt(self) -> set[str]:
+        """Take over the sandboxes an earlier engine on this state dir left running or
+        paused (registry.py); their ids."""
+        families: dict[str, Family] = {}
+        for record in registry.load(self.sandbox_root):
+            shape = next((s for s in SHAPES if s.id == record["shape"]), None)
+            if shape is None:
+                continue
+            kin = record["family"]
+            family = families.get(kin["founder"])
+            if family is None:
+                family = families[kin["founder"]] = Family(
+                    registry.AdoptedProcess(kin["bwrap_pid"], kin["bwrap_started"]),
+                    founder=kin["founder"], keepers=set(kin["keepers"]))
+            family.members.add(record["id"])
+            status = SandboxStatus(record["status"])
+            sandbox = LocalSandbox(
+                id=record["id"], name=record["name"], shape=shape,
+                dirs=SandboxDirs(self.sandbox_root / record["id"]), envs=record["envs"],
+                egress=record["egress"], auto_pause_after_seconds=record["auto_pause_after_seconds"],
+                disk_mib=record["disk_mib"], rootfs=record["rootfs"],
+                # a transition the old engine did not finish: say so rather than guess
+                status=status if status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED) else SandboxStatus.ERROR,
+                created_at=record["created_at"], running_at=record["running_at"],
+                spawn_ms=record["spawn_ms"], paused_at=record["paused_at"],
+                last_resumed_at=record["last_resumed_at"], family=family,
+                forked_from=record["forked_from"],
+                agent_dir=Path(record["agent_dir"]) if record["agent_dir"] else None)
+            if frozen := record["frozen"]:
+                sandbox.freezer = self.freezer
+                sandbox.frozen = Handle(sandbox.id, frozen["pid"], frozen["cgroup"] and Path(frozen["cgroup"]),
+                                        tuple(frozen["more"]), set(frozen["stopped"]), set(frozen["spared"]))
+            if limited := record["limited"]:
+                sandbox.limited = Applied(
+                    sandbox.id, limited["description"],
+                    {name: Path(path) for name, path in limited["v1_cgroups"].items()},
+                    limited["v2_cgroup"] and Path(limited["v2_cgroup"]),
+                    limited["oom_events"] and Path(limited["oom_events"]))
+            self.sandboxes[sandbox.id] = sandbox
+        if self.sandboxes:
+            log.info("took over %d sandboxes a previous engine left", len(self.sandboxes))
+        return set(self.sandboxes)
+
+    async def start_adopted(self) -> None:
+        """Once the event loop runs: egress gates, watchers and auto-pause for the
+        sandboxes taken over (their idle time counts from now)."""
+        watched = set()
+        for sandbox in self.sandboxes.values():
+            if sandbox.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED):
+                self._open_gate(sandbox)
+            sandbox.touch()
+            if sandbox.family and sandbox.family.founder not in watched:
+                watched.add(sandbox.family.founder)
+                asyncio.get_running_loop().create_task(self._watch(sandbox.family))
+        if self.sandboxes:
+            self._start_auto_pauser()
+
+    def _reap_leftovers(self, adopted: set[str]) -> None:
+        """Clear what an engine that died left in this state dir and nobody took over
+        (a sandbox it was still creating, or one whose processes are gone): processes,
+        cgroups and files. A frozen v1 cgroup would keep its processes alive, so it is
+        thawed and emptied. (Disk volumes are mounted only in their sandbox's mount
+        namespace: gone with it.)"""
+        stale = {entry.name for entry in os.scandir(self.sandbox_root) if entry.is_dir()} - adopted
         if not stale:
             return
         log.info("removing %d sandboxes a previous engine left behind", len(stale))
@@ -479,13 +571,19 @@ class Engine:
                 return name
 
     async def close(self) -> None:
+        """Stop managing the sandboxes and leave them running (or paused): the next engine
+        on this state dir takes them over (registry.py). Destroying them is an explicit act."""
         if self._auto_pauser:
             self._auto_pauser.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._auto_pauser
         for sandbox in list(self.sandboxes.values()):
-            if sandbox.status not in TERMINAL:
-                await self.destroy(sandbox.id)
+            if sandbox.transition and not sandbox.transition.done():
+                with contextlib.suppress(Exception):  # a pause or resume is short: let it settle
+                    await asyncio.shield(sandbox.transition)
+            if sandbox.gate:
+                await sandbox.gate.stop()
+            self._save(sandbox)
 
     # -- pause, resume, patch ---------------------------------------------------------
 
@@ -561,6 +659,7 @@ class Engine:
         child.spawn_ms = int((time.monotonic() - started) * 1000)
         child.running_at = time.time()
         child.status = SandboxStatus.PAUSED if start_paused else SandboxStatus.RUNNING
+        self._save(child)
         log.info("sandbox %s forked from %s (%d ms)", child.id, source.id, child.spawn_ms)
 
     def _open_gate(self, sandbox: LocalSandbox) -> None:
@@ -573,6 +672,7 @@ class Engine:
         if sandbox.status in TERMINAL or sandbox.status == SandboxStatus.DESTROYING:
             raise NotFound("sandbox not found")
         sandbox.egress = checked_egress(rules)
+        self._save(sandbox)
         return sandbox
 
     def patch(self, sandbox_id: str, request: PatchSandboxRequest) -> LocalSandbox:
@@ -587,6 +687,7 @@ class Engine:
         elif request.auto_pause_after_seconds is not None:
             sandbox.auto_pause_after_seconds = request.auto_pause_after_seconds
             sandbox.touch()  # the new timeout counts from now
+        self._save(sandbox)
         return sandbox
 
     def _begin(self, sandbox: LocalSandbox, status: SandboxStatus, work) -> None:  # type: ignore[no-untyped-def]
@@ -605,6 +706,7 @@ class Engine:
         if sandbox.status == SandboxStatus.PAUSING:
             sandbox.status = SandboxStatus.PAUSED
             sandbox.paused_at = time.time()
+            self._save(sandbox)
             log.info("sandbox %s paused", sandbox.id)
 
     async def _thaw(self, sandbox: LocalSandbox) -> None:
@@ -620,6 +722,7 @@ class Engine:
             sandbox.status = SandboxStatus.RUNNING
             sandbox.last_resumed_at = time.time()
             sandbox.touch()  # auto-pause counts from the resume, not from before the pause
+            self._save(sandbox)
             log.info("sandbox %s resumed", sandbox.id)
 
     def _start_auto_pauser(self) -> None:
