@@ -15,7 +15,13 @@ from .paths import state_dir
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .local.service import serve
+    from .local.service import serve, stop_engine
+
+    if args.stop:
+        where = args.state_dir or state_dir()
+        print("local engine stopped; its sandboxes keep running for the next one"
+              if stop_engine(where) else f"no local engine running for {where}")
+        return 0
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -47,44 +53,63 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 async def _list(settings: Settings) -> int:
-    from . import pool
+    from . import names, ownership, pool
+    from .cost import Meter
+    from .magics import describe_age
 
     async with await open_client(settings) as client:
         sandboxes = await client.list_sandboxes()
     if not sandboxes:
         print(f"no sandboxes on {settings.description}")
     pooled = pool.all_members()
+    meter = Meter()
     for sb in sandboxes:
-        role = "  (warm pool)" if sb.id in pooled else ""
-        print(f"{sb.id}  {sb.status.value:<10} {sb.shape or '-':<14} {sb.name or '-':<22} {sb.created_at}{role}")
+        meter.observe(sb)
+        owner = "warm pool" if sb.id in pooled else ownership.describe_owner(sb.id, sb.name)
+        print(f"{sb.id}  {names.display_name(sb):<24} {sb.status.value:<10} {sb.shape or '-':<14} "
+              f"{describe_age(sb.created_at):<10} ${meter.cost(sb.id).total:<8.4f} owner: {owner}")
     return 0
 
 
-async def _remove(settings: Settings, ids: list[str]) -> int:
+async def _remove(settings: Settings, refs: list[str]) -> int:
+    from . import names, ownership
+
     async with await open_client(settings) as client:
-        for sandbox_id in ids:
+        views = await client.list_sandboxes()
+        for ref in refs:
+            found = names.lookup(views, ref)
+            if len(found) > 1:
+                raise RuntimeError(f"several sandboxes are called {ref!r}: "
+                                   f"{', '.join(view.id for view in found)}; use an id")
+            # Neither an id nor a name listed: the provider's own answer (not found) says it best.
+            sandbox_id = found[0].id if found else ref
             result = await client.delete_sandbox(sandbox_id)
+            ownership.forget(sandbox_id)
             print(f"{result.id}: {result.status.value}")
     return 0
 
 
 async def _collect(settings: Settings, dry_run: bool) -> int:
-    from . import ownership, pool
+    from . import names, ownership, pool
 
     async with await open_client(settings) as client:
         listed_at = time.time()
-        live = [sb.id for sb in await client.list_sandboxes()]
+        views = names.live(await client.list_sandboxes())
+        live = {sb.id: sb.name for sb in views}
         # Warm pool members belong to no kernel: only those unclaimed for too long go.
         doomed = ([(sandbox_id, "orphaned", " (its kernel is gone)") for sandbox_id in ownership.orphaned(live)]
-                  + [(sandbox_id, "stale warm pool member", "") for sandbox_id in pool.stale_members(live, listed_at)])
+                  + [(sandbox_id, "stale warm pool member", "")
+                     for sandbox_id in pool.stale_members(list(live), listed_at)])
         for sandbox_id, what, why in doomed:
             if dry_run:
                 print(f"{sandbox_id}: {what}{why}; would destroy")
                 continue
             result = await client.delete_sandbox(sandbox_id)
-            ownership.forget(sandbox_id)
+            ownership.forget(sandbox_id, live[sandbox_id])
             pool.forget(sandbox_id)
             print(f"{sandbox_id}: {what}, {result.status.value}")
+        if not dry_run:
+            ownership.tidy(live)
     if not doomed:
         print(f"no orphaned sandboxes on {settings.description}")
     return 0
@@ -137,16 +162,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--state-dir", type=Path, help="state directory (token, socket, sandboxes)")
     serve.add_argument("--idle-timeout", type=float, default=0.0,
                        help="exit after this many seconds with no sandboxes (0: never)")
+    serve.add_argument("--stop", action="store_true",
+                       help="stop the running engine of the state dir; its sandboxes keep running "
+                            "(the next engine, started on demand, takes them over)")
     serve.set_defaults(run=cmd_serve)
 
-    ls = sub.add_parser("ls", help="list sandboxes of the configured provider")
+    ls = sub.add_parser("ls", help="list sandboxes: name, state, shape, age, cost so far (CreateOS "
+                                   "prices), owning kernel")
     ls.set_defaults(run=lambda a: asyncio.run(_list(Settings.from_env())))
 
-    rm = sub.add_parser("rm", help="destroy sandboxes")
-    rm.add_argument("ids", nargs="+", metavar="ID")
+    rm = sub.add_parser("rm", help="destroy sandboxes, by id or name")
+    rm.add_argument("ids", nargs="+", metavar="ID|NAME")
     rm.set_defaults(run=lambda a: asyncio.run(_remove(Settings.from_env(), a.ids)))
 
-    gc = sub.add_parser("gc", help="destroy sandboxes whose kernel on this machine is gone")
+    gc = sub.add_parser("gc", help="destroy sandboxes whose owning kernel on this machine is gone "
+                                   "(forks included; kept ones stay)")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be destroyed")
     gc.set_defaults(run=lambda a: asyncio.run(_collect(Settings.from_env(), a.dry_run)))
 

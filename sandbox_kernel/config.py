@@ -20,6 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from . import names
 from .api import SandboxClient
 from .egress_rules import EgressRuleError, validate as validate_egress
 from .paths import state_dir
@@ -53,6 +54,7 @@ class Settings:
     engine_transport: str = "unix"  # how the kernel reaches the local engine: unix or tcp
     engine_idle_timeout: float = 600.0
     attach_to: str | None = None  # drive this existing sandbox instead of creating one
+    name: str | None = None  # of the sandbox the kernel creates (unique); None: generated
     on_shutdown: str | None = None  # destroy | pause | keep; None: destroy ours, keep adopted
     egress: list[str] | None = None  # rules for a sandbox the kernel creates; None: allow all
     auto_pause: int | None = DEFAULT_AUTO_PAUSE  # seconds; None: never
@@ -78,7 +80,12 @@ class Settings:
         if on_shutdown is not None and on_shutdown not in SHUTDOWN_POLICIES:
             raise ConfigError(f"{options.source('on_shutdown')}: the shutdown policy must be "
                               f"destroy, pause or keep, not {on_shutdown!r}")
-        return cls(provider=provider, api_key=api_key,
+        name = options.text("sandbox_name")
+        try:
+            name = name and names.checked(name)
+        except names.SandboxNameError as exc:
+            raise ConfigError(f"{options.source('sandbox_name')}: {exc}") from None
+        return cls(provider=provider, api_key=api_key, name=name,
                    shape=options.text("shape") or DEFAULT_SHAPE,
                    rootfs=options.text("rootfs"),
                    base_url=options.text("base_url") or DEFAULT_BASE_URL,
@@ -110,6 +117,7 @@ ENV_VARS = {
     "egress": "SANDBOX_KERNEL_EGRESS",
     "on_shutdown": "SANDBOX_KERNEL_ON_SHUTDOWN",
     "sandbox_id": "SANDBOX_KERNEL_SANDBOX_ID",
+    "sandbox_name": "SANDBOX_KERNEL_SANDBOX_NAME",
     "engine_transport": "SANDBOX_KERNEL_ENGINE_TRANSPORT",
     "output_limit": "SANDBOX_KERNEL_OUTPUT_LIMIT",
     "output_rate": "SANDBOX_KERNEL_OUTPUT_RATE",
@@ -223,8 +231,13 @@ async def open_client(settings: Settings, state: Path | None = None) -> SandboxC
         return SandboxClient(settings.base_url, settings.api_key)
     from .local.service import ensure_engine
 
-    endpoint = await asyncio.to_thread(ensure_engine, state or state_dir(),
-                                       settings.engine_idle_timeout)
+    from .local.service import EngineRestarting
+
+    state = state or state_dir()
+    endpoint = await asyncio.to_thread(ensure_engine, state, settings.engine_idle_timeout)
     if settings.engine_transport == "unix" and endpoint.socket:
-        return SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, endpoint.token, uds=endpoint.socket)
+        # The socket's path stays when the engine is restarted: a request that finds no
+        # engine there starts one (which takes the sandboxes over) and goes again.
+        return SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, endpoint.token, uds=endpoint.socket,
+                             transport=EngineRestarting(endpoint.socket, state, settings.engine_idle_timeout))
     return SandboxClient(endpoint.url, endpoint.token)

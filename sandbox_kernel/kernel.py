@@ -24,22 +24,27 @@ from typing import Any, TypeVar
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
-from . import __version__
+from . import __version__, ownership
 from .api import SandboxAPIError
 from .config import ConfigError, Settings
 from .history import open_history
 from .magics import MagicError, SandboxMagics, split_cell
 from .output import CellOutput, OutputGuard
+from .shutdown_policy import farewell
 from .paths import state_dir, write_private
-from .session import SandboxSession, SessionError
+from .session import RESTART_HANDOFF_WAIT, SandboxSession, SessionError
 
 log = logging.getLogger("sandbox_kernel.kernel")
 
-HANDOFF_MAX_AGE = 120.0  # a restart hand-off older than this is stale
+HANDOFF_MAX_AGE = RESTART_HANDOFF_WAIT  # a restart hand-off older than this is stale
+# Shutting down while the sandbox still starts: wait this long for it (jupyter_client kills
+# a kernel that takes 5 s), then stop waiting and find the sandbox by its name (shutdown_policy.py).
+BOOT_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
 # Options a kernel argument can set (--SandboxKernel.<name>=...); they win over the
 # environment and the config file.
-KERNEL_ARGUMENTS = ("sandbox_id", "on_shutdown", "egress", "shape", "rootfs", "auto_pause", "warm_pool")
+KERNEL_ARGUMENTS = ("sandbox_id", "sandbox_name", "on_shutdown", "egress", "shape", "rootfs", "auto_pause",
+                    "warm_pool")
 
 T = TypeVar("T")
 
@@ -58,6 +63,8 @@ class SandboxKernel(Kernel):
     # over the matching environment variables.
     sandbox_id = Unicode("", help="drive this existing sandbox (e.g. a fork) instead of creating one"
                          ).tag(config=True)
+    sandbox_name = Unicode("", help="name of the sandbox the kernel creates (unique per provider)"
+                           ).tag(config=True)
     on_shutdown = Unicode("", help="destroy, pause or keep the sandbox when the kernel shuts down"
                           ).tag(config=True)
     egress = Unicode("", help="egress allowlist for the sandbox the kernel creates, comma-separated"
@@ -103,7 +110,9 @@ class SandboxKernel(Kernel):
             raise SessionError(self.config_error or "invalid configuration")
         self.sandbox = SandboxSession(self.settings)
         handoff = self._take_handoff()
-        if handoff:  # a restart: same sandbox, fresh Python, same shutdown policy
+        if handoff:  # a restart: same sandbox, fresh Python, same shutdown policy and sandboxes
+            for sandbox_id in handoff.get("owned", []):
+                ownership.own(sandbox_id)
             await self.sandbox.start(attach_to=handoff["sandbox_id"], fresh_runner=True)
             self.sandbox.on_shutdown = handoff.get("on_shutdown", "destroy")
         else:
@@ -321,17 +330,32 @@ class SandboxKernel(Kernel):
     # -- shutdown and restart --------------------------------------------------------------
 
     async def do_shutdown(self, restart: bool) -> dict[str, Any]:
-        if self.sandbox is not None and self.sandbox.sandbox_id:
-            if restart:
-                # jupyter_client restarts by starting a new kernel process: hand it our
-                # sandbox, so a restart is a fresh runner in the same sandbox.
-                self._write_handoff(self.sandbox.sandbox_id, self.sandbox.on_shutdown)
+        if self.sandbox is not None:
             try:
                 # The request arrives on the control thread; the API client lives on the shell's loop.
-                await self._on_main_loop(self.sandbox.shutdown("keep" if restart else None))
+                if restart:
+                    # jupyter_client restarts by starting a new kernel process: hand it our
+                    # sandboxes, so a restart is a fresh runner in the same sandbox.
+                    owned = await self._on_main_loop(self.sandbox.close_for_restart())
+                    if self.sandbox.sandbox_id:
+                        self._write_handoff(self.sandbox.sandbox_id, self.sandbox.on_shutdown, owned)
+                else:
+                    await self._on_main_loop(self._stop_boot())
+                    self._last_words(farewell(await self._on_main_loop(self.sandbox.shutdown())))
             except Exception as exc:
                 log.warning("shutdown: %s", exc)
         return {"status": "ok", "restart": restart}
+
+    async def _stop_boot(self) -> None:
+        if self.boot is not None and not self.boot.done():
+            await asyncio.wait([self.boot], timeout=BOOT_SHUTDOWN_WAIT)
+            self.boot.cancel()
+
+    def _last_words(self, text: str) -> None:
+        """What outlives the notebook, on the frontend (if it still listens) and in the log."""
+        if text:
+            log.warning("%s", text.strip())
+            self.send_response(self.iopub_socket, "stream", {"name": "stderr", "text": text}, channel="control")
 
     def _handoff_path(self) -> Path | None:
         connection_file = getattr(self.parent, "connection_file", None)
@@ -340,12 +364,12 @@ class SandboxKernel(Kernel):
         key = hashlib.sha256(str(Path(connection_file).resolve()).encode()).hexdigest()[:24]
         return state_dir() / "handoff" / f"{key}.json"
 
-    def _write_handoff(self, sandbox_id: str, on_shutdown: str) -> None:
+    def _write_handoff(self, sandbox_id: str, on_shutdown: str, owned: list[str]) -> None:
         path = self._handoff_path()
         if path is not None:
             path.parent.mkdir(mode=0o700, exist_ok=True)
             write_private(path, json.dumps({"sandbox_id": sandbox_id, "on_shutdown": on_shutdown,
-                                            "time": time.time()}))
+                                            "owned": owned, "time": time.time()}))
 
     def _take_handoff(self) -> dict[str, Any] | None:
         path = self._handoff_path()

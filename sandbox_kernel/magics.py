@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from . import egress_rules
+from . import egress_rules, names, ownership
 from .api import EgressView, SandboxView
 from .api.models import parse_rfc3339
 from .config import SHUTDOWN_POLICIES
@@ -30,21 +30,27 @@ HELP = """\
 %sandbox — manage this notebook's sandbox (handled by the kernel, not run in the sandbox)
 
   %sandbox status                 id, state, shape, age and origin of this notebook's sandbox
-  %sandbox list                   every sandbox of this provider
+  %sandbox list                   every sandbox of this provider, with names and owners
   %sandbox pause                  freeze the sandbox (memory and files kept, compute stops)
   %sandbox resume                 continue a paused sandbox (running a cell also resumes it)
   %sandbox fork [--name N] [--switch]
                                   copy this sandbox, live Python state and files included, into
                                   a new one (pausing it first); --switch makes this notebook
-                                  drive the copy; N names it for %sandbox attach
-  %sandbox attach ID [--destroy-previous] [--fresh]
-                                  drive sandbox ID from this notebook; the previous sandbox is
-                                  kept unless --destroy-previous; --fresh starts a new Python
-                                  in it instead of keeping the one running there
+                                  drive the copy; N names it for %sandbox attach from any
+                                  notebook. Forks are this notebook's: its on-shutdown
+                                  policy applies to them, and they pause after 10 min idle
+  %sandbox attach ID|NAME [--destroy-previous] [--fresh]
+                                  drive that sandbox from this notebook; the previous one
+                                  stays (this notebook's policy still applies to it at
+                                  shutdown) unless --destroy-previous; --fresh starts a new
+                                  Python in it instead of keeping the one running there
+  %sandbox keep [ID|NAME]         hand a sandbox of this notebook (default: the one it
+                                  drives) off: shutdown leaves it alone, gc too
   %sandbox cost                   what this notebook's sandboxes (forks included) have cost
                                   so far on CreateOS prices, running and paused
   %sandbox on-shutdown destroy|pause|keep
-                                  what closing this notebook does to its sandbox
+                                  what closing this notebook does to its sandboxes (the ones
+                                  it created or forked and did not keep)
   %sandbox help                   this text; %sandbox COMMAND --help: that command only
 """
 EGRESS_HELP = """\
@@ -137,9 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     fork.add_argument("--name")
     fork.add_argument("--switch", action="store_true")
     attach = sub.add_parser("attach", add_help=False)
-    attach.add_argument("sandbox_id")
+    attach.add_argument("sandbox_id", metavar="ID|NAME")
     attach.add_argument("--destroy-previous", action="store_true")
     attach.add_argument("--fresh", action="store_true")
+    keep = sub.add_parser("keep", add_help=False)
+    keep.add_argument("sandbox_id", metavar="ID|NAME", nargs="?")
     policy = sub.add_parser("on-shutdown", add_help=False)
     policy.add_argument("policy", choices=SHUTDOWN_POLICIES)
     return parser
@@ -166,7 +174,8 @@ def describe_seconds(seconds: float) -> str:
 
 
 def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost) -> list[tuple[str, str]]:
-    return [("id", view.id), ("state", view.status.value), ("provider", provider),
+    return [("id", view.id), ("name", names.display_name(view)), ("state", view.status.value),
+            ("provider", provider),
             ("shape", f"{view.shape or '?'} ({view.vcpu} vCPU, {view.mem_mib} MiB)"),
             ("rootfs", view.rootfs or "the provider's default"),
             # the local engine says which limits this host enforces; CreateOS is a VM of the shape
@@ -219,8 +228,9 @@ class SandboxMagics:
     async def do_status(self, _: argparse.Namespace) -> None:
         view = await self.session.view()
         cost = self.session.meter.cost(view.id)
-        self.out.display(table(status_rows(view, self.session.settings.description,
-                                           self.session.on_shutdown, cost)))
+        policy = (self.session.on_shutdown if ownership.owns(view.id)
+                  else "keep (not this notebook's: it was attached or kept)")
+        self.out.display(table(status_rows(view, self.session.settings.description, policy, cost)))
 
     async def do_cost(self, _: argparse.Namespace) -> None:
         costs = await self.session.costs()
@@ -241,8 +251,9 @@ class SandboxMagics:
             self.out.text(f"no sandboxes on {self.session.settings.description}\n")
             return
         rows = [(v.id + (" (this notebook)" if v.id == self.session.sandbox_id else ""),
-                 f"{v.status.value}, {v.shape or '?'}, {describe_age(v.created_at)} old"
-                 + (f", forked from {v.forked_from}" if v.forked_from else ""))
+                 f"{names.display_name(v)}, {v.status.value}, {v.shape or '?'}, {describe_age(v.created_at)} old"
+                 + (f", forked from {v.forked_from}" if v.forked_from else "")
+                 + f", owner: {ownership.describe_owner(v.id, v.name)}")
                 for v in views]
         self.out.display(table(rows))
 
@@ -265,18 +276,19 @@ class SandboxMagics:
         child = await self.session.fork(args.name, progress=line, on_pause=self.out.progress)
         label = f" ({args.name})" if args.name else ""
         line.update(f"Forked {parent} into {child.id}{label} in {time.monotonic() - started:.1f} s")
+        ref = args.name or child.id
         if args.switch:
             await self.session.attach(child.id, progress=line)
             self.out.text(f"This notebook now drives the fork {child.id}; the original {parent} stays "
                           f"paused (%sandbox attach {parent} to go back)\n")
         else:
             self.out.text(f"{parent} stays paused until your next cell. Open the fork from another "
-                          f"notebook with `%sandbox attach {child.id}`, or start a kernel with "
-                          f"SANDBOX_KERNEL_SANDBOX_ID={child.id}\n")
+                          f"notebook with `%sandbox attach {ref}`, or start a kernel with "
+                          f"SANDBOX_KERNEL_SANDBOX_ID={ref}\n")
 
     async def do_attach(self, args: argparse.Namespace) -> None:
         previous = self.session.sandbox_id
-        args.sandbox_id = self.session.fork_names.get(args.sandbox_id, args.sandbox_id)
+        args.sandbox_id = (await self.session.find(args.sandbox_id)).id
         if args.sandbox_id == previous:
             raise MagicError(f"%sandbox attach: this notebook already drives {previous}")
         line = self.out.progress(f"Attaching to sandbox {args.sandbox_id}…")
@@ -287,13 +299,26 @@ class SandboxMagics:
             await self.session.destroy(previous)
             self.out.text(f"Destroyed the previous sandbox {previous}\n")
         elif previous:
-            self.out.text(f"The previous sandbox {previous} is kept "
+            self.out.text(f"The previous sandbox {previous} stays "
                           f"(%sandbox attach {previous} to go back)\n")
+
+    async def do_keep(self, args: argparse.Namespace) -> None:
+        view = await self.session.find(args.sandbox_id) if args.sandbox_id else await self.session.view()
+        if not ownership.owns(view.id):
+            raise MagicError(f"%sandbox keep: {view.id} is not this notebook's to hand off "
+                             "(it was attached, or is kept already)")
+        ownership.keep(view.id)
+        self.session.kept.append(view.id)
+        self.out.text(f"Sandbox {view.id} ({names.display_name(view)}) is kept: it outlives this notebook "
+                      f"and gc leaves it; `sandbox-kernel rm {view.id}` destroys it\n")
 
     async def do_on_shutdown(self, args: argparse.Namespace) -> None:
         self.session.on_shutdown = args.policy
         outcome = {"destroy": "destroyed", "pause": "paused", "keep": "kept"}[args.policy]
-        self.out.text(f"When this notebook shuts down, sandbox {self.session.sandbox_id} will be {outcome}\n")
+        owned = ownership.owned_here()
+        which = (f"sandbox {owned[0]}" if len(owned) == 1 else
+                 f"its sandboxes {', '.join(owned)}" if owned else "no sandbox (it owns none)")
+        self.out.text(f"When this notebook shuts down, {which} will be {outcome}\n")
 
     # -- %egress ------------------------------------------------------------------------
 

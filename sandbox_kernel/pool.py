@@ -130,7 +130,7 @@ class WarmPool:
             ticket.unlink(missing_ok=True)  # only now: the pool never looks short meanwhile
             # The maker claimed it while making it (so gc destroys it if the maker dies
             # half-way); pooled, it belongs to no kernel until one claims it.
-            ownership.release(sandbox_id)
+            ownership.forget(sandbox_id)
             made += 1
         return made
 

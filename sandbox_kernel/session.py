@@ -15,6 +15,7 @@ import base64
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -40,7 +41,7 @@ from .api import (
     SandboxView,
     ServerError,
 )
-from . import ownership, pool
+from . import names, ownership, pool, shutdown_policy
 from .config import Settings, open_client
 from .cost import Cost, Meter
 
@@ -70,6 +71,13 @@ CLIENT_FAILURES_BEFORE_GIVING_UP = 3
 # replace: a line longer than the cell's output limit plus this is dropped, never held.
 EVENT_LINE_SLACK = 1024 * 1024
 STDERR_TAIL = 4096  # of the runner client's stderr, kept for its last words
+
+# A fork made from a notebook pauses after this long idle unless the kernel sets its own
+# auto-pause: a forgotten fork then costs only its memory and disk.
+FORK_AUTO_PAUSE = 600
+
+# A restarting kernel's sandboxes wait this long for the new kernel process to own them.
+RESTART_HANDOFF_WAIT = 120.0
 
 # Polling a transition (pause, resume, fork): locally it takes milliseconds, on CreateOS
 # it can take minutes; doubling from 20 ms to 2 s serves both with few requests.
@@ -118,9 +126,10 @@ class SandboxSession:
         # Streaming exec is the fast path; some CreateOS versions lack it, then cells are
         # followed by polling the runner's journal with short buffered execs.
         self.streaming = True
-        # What shutdown does with the sandbox: destroy what we created, keep what we adopted.
+        # What shutdown does to every sandbox this kernel owns (ownership.py); a sandbox
+        # it only attached to is its owner's business.
         self.on_shutdown = "destroy"
-        self.fork_names: dict[str, str] = {}  # --name labels of the forks made here -> ids
+        self.kept: list[str] = []  # handed off with `%sandbox keep`: listed at shutdown
         # The cost meter, and every sandbox this notebook created, forked or drove.
         self.meter = Meter()
         self.known: list[str] = []
@@ -139,8 +148,8 @@ class SandboxSession:
         try:
             if self.client is None:
                 self.client = await open_client(self.settings)
-            if attach_to:
-                await self.attach(attach_to, fresh_runner=fresh_runner)
+            if attach_to:  # an id or a name
+                await self.attach((await self.find(attach_to)).id, fresh_runner=fresh_runner)
             elif not await self._start_from_pool():
                 await self._create()
         except SandboxAPIError as exc:
@@ -152,10 +161,23 @@ class SandboxSession:
 
     async def _create(self) -> None:
         client = self._client()
-        created = await client.create_sandbox(
-            CreateSandboxRequest(shape=self.settings.shape, rootfs=self.settings.rootfs,
-                                 egress=self.settings.egress,
-                                 auto_pause_after_seconds=self.settings.auto_pause))
+        # Named by us, so that a kernel stopped before the create returns still leaves a
+        # trace that shutdown and `gc` can follow to the sandbox (ownership.creating).
+        name = self.settings.name or f"notebook-{secrets.token_hex(4)}"
+        ownership.creating(name)
+        try:
+            created = await client.create_sandbox(
+                CreateSandboxRequest(shape=self.settings.shape, rootfs=self.settings.rootfs, name=name,
+                                     egress=self.settings.egress,
+                                     auto_pause_after_seconds=self.settings.auto_pause))
+        except SandboxAPIError as exc:
+            if exc.status_code is not None and exc.status_code < 500:  # refused: nothing was made
+                ownership.created(name, None)
+            if isinstance(exc, ConflictError) and self.settings.name:
+                raise SessionError(f"the name {name!r} is taken on {self.settings.description}: "
+                                   "choose another (SANDBOX_KERNEL_SANDBOX_NAME)") from None
+            raise
+        ownership.created(name, created.id)
         self.sandbox_id = created.id
         self._track(await client.get_sandbox(created.id))
         await self.start_runner()
@@ -167,7 +189,7 @@ class SandboxSession:
 
         Either way the pool is topped up afterwards, in the background.
         """
-        if not self.settings.warm_pool:
+        if not self.settings.warm_pool or self.settings.name:  # a pooled sandbox has its name already
             return False
         warm = pool.WarmPool.for_settings(self.settings, self.settings.warm_pool)
         while (sandbox_id := warm.claim()) is not None:
@@ -176,7 +198,7 @@ class SandboxSession:
             except (SessionError, SandboxAPIError) as exc:  # e.g. destroyed behind our back
                 log.warning("warm pool sandbox %s is unusable (%s): trying another", sandbox_id, exc)
                 continue
-            self.on_shutdown = "destroy"  # ours now, exactly as if we had created it
+            ownership.own(sandbox_id)  # ours now, exactly as if we had created it
             auto_pause = self.settings.auto_pause  # the member's was the pool's short one
             await self._client().patch_sandbox(sandbox_id, PatchSandboxRequest(disable_auto_pause=True)
                                                if auto_pause is None else
@@ -192,7 +214,8 @@ class SandboxSession:
 
     async def _make_pool_member(self) -> str:
         """A new sandbox with its runner started, claimed by this kernel until it is pooled."""
-        member = SandboxSession(replace(self.settings, auto_pause=pool.MEMBER_AUTO_PAUSE, warm_pool=0))
+        member = SandboxSession(replace(self.settings, auto_pause=pool.MEMBER_AUTO_PAUSE, warm_pool=0,
+                                        name=None))
         member.client = self._client()
         self.making_pool_member = True
         try:
@@ -230,8 +253,9 @@ class SandboxSession:
         view = self._track(await client.get_sandbox(sandbox_id))
         if view.status not in (SandboxStatus.RUNNING, SandboxStatus.PAUSED, SandboxStatus.PAUSING):
             raise SessionError(f"sandbox {view.id} is {view.status.value}: it cannot run cells")
-        previous = (self.sandbox_id, self.on_shutdown, self.runner_info)
-        self.sandbox_id, self.on_shutdown = view.id, "keep"
+        previous = (self.sandbox_id, self.runner_info)
+        self.sandbox_id = view.id
+        ownership.use(view.id)
         try:
             if view.status != SandboxStatus.RUNNING:
                 await self.resume(progress)
@@ -246,7 +270,7 @@ class SandboxSession:
             await self.start_runner()
             return False
         except BaseException:  # a failed attach leaves the notebook on its sandbox
-            self.sandbox_id, self.on_shutdown, self.runner_info = previous
+            self.sandbox_id, self.runner_info = previous
             raise
 
     async def start_runner(self) -> None:
@@ -302,11 +326,9 @@ class SandboxSession:
         return self._track(await client.get_sandbox(sandbox_id))
 
     def _track(self, view: SandboxView) -> SandboxView:
-        """Remember a sandbox this notebook uses (and claim it, for `gc`), and feed the cost
-        meter its history."""
+        """Remember a sandbox this notebook uses, and feed the cost meter its history."""
         if view.id not in self.known:
             self.known.append(view.id)
-            ownership.claim(view.id)
         if view.oom_kills is not None:
             self.oom_kills[view.id] = view.oom_kills
         self.meter.observe(view)
@@ -352,15 +374,37 @@ class SandboxSession:
         (on_pause hears about it). The parent stays paused; the next cell resumes it.
         """
         client, sandbox_id = self._require()
-        if (await self.view()).status != SandboxStatus.PAUSED:
+        source = await self.view()
+        try:
+            envs = names.fork_envs(source, name)
+            if name and (holder := names.taken_by(await client.list_sandboxes(), names.checked(name))):
+                raise SessionError(f"the name {name!r} is taken by sandbox {holder.id} on "
+                                   f"{self.settings.description}: choose another")
+        except names.SandboxNameError as exc:
+            raise SessionError(str(exc)) from None
+        if source.status != SandboxStatus.PAUSED:
             if on_pause:
                 on_pause(f"Pausing sandbox {sandbox_id} first: only a paused sandbox can be forked")
             await self.pause(progress)
-        child = await client.fork_sandbox(sandbox_id, ForkSandboxRequest())
+        child = await client.fork_sandbox(sandbox_id, ForkSandboxRequest(envs=envs))
+        ownership.own(child.id)  # at once: a kernel killed now leaves it to gc, not to nobody
         view = await self._settle(child.id, SandboxStatus.RUNNING, progress)
-        if name:
-            self.fork_names[name] = view.id
+        if view.auto_pause_after_seconds is None:
+            view = self._track(await client.patch_sandbox(view.id, PatchSandboxRequest(
+                auto_pause_after_seconds=self.settings.auto_pause or FORK_AUTO_PAUSE)))
         return view
+
+    async def find(self, ref: str) -> SandboxView:
+        """The sandbox an id or a name designates, from any notebook (names.py)."""
+        found = names.lookup(await self.list_sandboxes(), ref)
+        try:
+            # Not listed (destroyed, say): its id may still answer, with its state.
+            return self._track(await self._client().get_sandbox(ref)) if not found else \
+                names.resolve(found, ref, self.settings.description)
+        except names.SandboxNameError as exc:
+            raise SessionError(str(exc)) from None
+        except NotFoundError:
+            raise SessionError(f"no sandbox with id or name {ref!r} on {self.settings.description}") from None
 
     async def _settle(self, sandbox_id: str, target: SandboxStatus,
                       progress: Progress | None) -> SandboxView:
@@ -501,24 +545,33 @@ class SandboxSession:
     async def destroy(self, sandbox_id: str) -> None:
         await self._client().delete_sandbox(sandbox_id)
         self.meter.note_gone(sandbox_id)
-        ownership.release(sandbox_id)
+        ownership.forget(sandbox_id)
 
-    async def shutdown(self, policy: str | None = None) -> None:
-        """Close the session; the sandbox is destroyed, paused or kept per `policy`."""
+    async def shutdown(self, policy: str | None = None) -> list[shutdown_policy.Kept]:
+        """Close the session, applying `policy` (or on_shutdown) to every sandbox this
+        kernel owns; return those kept (shutdown_policy.py)."""
         if self.client is None:
-            return
+            return []
         await self._stop_refill()
-        policy = policy or self.on_shutdown
         try:
-            if self.sandbox_id and policy == "destroy":
-                await self.client.delete_sandbox(self.sandbox_id)
-            elif self.sandbox_id and policy == "pause":
-                await self.client.pause_sandbox(self.sandbox_id)
+            return await shutdown_policy.apply_policy(self.client, policy or self.on_shutdown,
+                                                      self.meter.prices, self.kept)
         finally:
-            for sandbox_id in self.known:  # a clean shutdown leaves no orphans behind
-                ownership.release(sandbox_id)
+            for sandbox_id in self.known:
+                ownership.stop_using(sandbox_id)
             await self.client.aclose()
             self.client = None
+
+    async def close_for_restart(self) -> list[str]:
+        """A kernel restart: everything this kernel owns waits for its successor (which
+        takes them over from the restart hand-off file); return those ids."""
+        owned = ownership.owned_here()
+        ownership.await_successor(owned, RESTART_HANDOFF_WAIT)
+        await self._stop_refill()
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+        return owned
 
 
 class _EventStream:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,20 @@ def running_engine(state: Path, **env: str) -> Iterator[EngineEndpoint]:
             pytest.fail("local engine did not start: " + (state / "engine.log").read_text()[-2000:])
         yield endpoint
     finally:
+        if endpoint is not None:
+            destroy_every_sandbox(endpoint)  # a stopped engine leaves them running
         stop_process(process, 15)
+
+
+def destroy_every_sandbox(endpoint: EngineEndpoint) -> None:
+    async def destroy() -> None:
+        async with SandboxClient(endpoint.url, endpoint.token) as api:
+            for view in await api.list_sandboxes():
+                with contextlib.suppress(NotFoundError):
+                    await api.delete_sandbox(view.id)
+    # In a thread of its own: the caller may be inside an event loop (an async test).
+    with ThreadPoolExecutor(1) as thread, contextlib.suppress(Exception):  # a dead engine: nothing to ask
+        thread.submit(asyncio.run, destroy()).result()
 
 
 def sandbox_pids(sandbox_id: str, needle: bytes = b"") -> list[int]:

@@ -7,6 +7,8 @@ Armed with `fail_buffered_execs`, it answers chosen buffered (non-streaming) exe
 502, either before forwarding them or after the engine has run them, as a gateway that
 gives up on a long-held request does. With `hold_status` = (real, shown), sandbox views
 say `shown` where the engine says `real`, as a CreateOS transition taking minutes looks.
+With `hold_creates`, sandbox creations reach the engine but their answers never come back
+(a CreateOS create taking minutes); `held_creates` lists the ids the engine answered.
 
 It sits between a kernel and the real local engine, so the kernel's session meets a
 real dropped connection mid-cell (what a CreateOS gateway timeout looks like).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import threading
 from collections.abc import Iterator
@@ -33,13 +36,16 @@ BAD_GATEWAY = (b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nC
 
 class FaultProxy:
     def __init__(self, upstream_port: int, cut_after_bytes: int = 0, max_cuts: int = 0,
-                 stream_reply: bytes | None = None, create_replies: list[bytes] | None = None) -> None:
+                 stream_reply: bytes | None = None, create_replies: list[bytes] | None = None,
+                 hold_creates: bool = False) -> None:
         self.upstream_port = upstream_port
         self.cut_after_bytes = cut_after_bytes
         self.max_cuts = max_cuts
         self.stream_reply = stream_reply
         self.create_replies = list(create_replies or [])
         self.creates_seen = 0
+        self.hold_creates = hold_creates
+        self.held_creates: list[str] = []
         self.cuts = 0
         self.refused_streams = 0
         # Buffered execs counted from when fail_buffered_execs() armed the proxy.
@@ -91,6 +97,13 @@ class FaultProxy:
                     if state["streaming"] and self.stream_reply is not None:
                         self.refused_streams += 1
                         reply = self.stream_reply
+                    elif request_line.startswith(b"POST /v1/sandboxes ") and self.hold_creates:
+                        self.creates_seen += 1
+                        answer = await self._exchange(await _whole_request(data, client_r))
+                        self.held_creates.append(json.loads(answer.partition(b"\r\n\r\n")[2])["data"]["id"])
+                        while await client_r.read(65536):  # no answer, until the client gives up
+                            pass
+                        return
                     elif request_line.startswith(b"POST /v1/sandboxes "):
                         self.creates_seen += 1
                         reply = self.create_replies.pop(0) if self.create_replies else None

@@ -34,6 +34,8 @@ def test_a_key_selects_createos() -> None:
     ({"SANDBOX_KERNEL_EGRESS": "ok.example.com, 10.0.0.0/33"},
      "SANDBOX_KERNEL_EGRESS: invalid egress rule '10.0.0.0/33'"),
     ({"SANDBOX_KERNEL_ENGINE_TRANSPORT": "pigeon"}, "SANDBOX_KERNEL_ENGINE_TRANSPORT must be 'unix' or 'tcp'"),
+    ({"SANDBOX_KERNEL_SANDBOX_NAME": "My Notebook"},
+     "SANDBOX_KERNEL_SANDBOX_NAME: bad sandbox name 'My Notebook': use 1-63 lowercase letters"),
 ])
 def test_mistakes_are_one_line(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError) as caught:

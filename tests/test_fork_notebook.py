@@ -37,10 +37,10 @@ def test_fork_in_a_notebook(kernelspec: str, engine: EngineEndpoint, monkeypatch
                  ("display_data", "update_display_data")]
         assert any(f"Pausing sandbox {parent} first" in line for line in lines)
         child = re.search(rf"Forked {parent} into (sb-\w+) \(kid\)", "\n".join(lines)).group(1)
-        assert f"%sandbox attach {child}" in forked.text()
+        assert "%sandbox attach kid" in forked.text()  # a name works from every notebook
         assert sandbox_status(engine, parent).value == "paused"
 
-        monkeypatch.setenv("SANDBOX_KERNEL_SANDBOX_ID", child)
+        monkeypatch.setenv("SANDBOX_KERNEL_SANDBOX_ID", "kid")
         km2, kc2 = start_new_kernel(kernel_name=kernelspec, startup_timeout=TIMEOUT)
         monkeypatch.delenv("SANDBOX_KERNEL_SANDBOX_ID")
         # The live interpreter state came along: variables, modules, an open file.
@@ -57,7 +57,8 @@ def test_fork_in_a_notebook(kernelspec: str, engine: EngineEndpoint, monkeypatch
         value(kc1, "x.append('parent-only')")
         assert value(kc2, "print(x[-1], open('log.txt').read(), end='')") == "child from the child\n"
 
-        # Destroy the parent: the fork runs on.
+        # Destroy the parent (notebook 1 owns the fork too, but notebook 2 drives it, so
+        # it passes to notebook 2): the fork runs on.
         kc1.stop_channels()
         km1.shutdown_kernel()
         km1 = None

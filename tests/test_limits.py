@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_helpers import running_engine, sandbox_pids, wait_status
+from engine_helpers import destroy_every_sandbox, running_engine, sandbox_pids, wait_status
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
 from sandbox_kernel.local import disk
 from sandbox_kernel.local.freezer import select as select_freezer
@@ -251,12 +251,23 @@ async def test_rlimits_hold_when_no_cgroup_is_used(tmp_path: Path) -> None:
             await api.delete_sandbox(created.id)
 
 
-def test_a_killed_engine_leaves_no_process_and_the_next_one_reaps_the_rest(tmp_path: Path) -> None:
+def test_a_killed_engine_leaves_its_sandbox_to_the_next_one_which_reaps_the_rest(tmp_path: Path) -> None:
+    """The sandbox outlives a SIGKILLed engine (no --die-with-parent) with its limits; the
+    next engine takes it over, and destroying it then leaves no process, cgroup, loop
+    device or file. A directory no record vouches for (a sandbox the dead engine was still
+    creating) is reaped."""
     async def start_busy_sandbox(endpoint: EngineEndpoint) -> str:
         async with SandboxClient(endpoint.url, endpoint.token) as api:
             created = await api.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-256mb"))
             await run(api, created.id, "nohup sleep 300 >/dev/null 2>&1 &")
             return created.id
+
+    async def check_and_destroy(endpoint: EngineEndpoint, sandbox_id: str) -> None:
+        async with SandboxClient(endpoint.url, endpoint.token) as api:
+            view = await api.get_sandbox(sandbox_id)
+            assert view.status == SandboxStatus.RUNNING and view.limits and "memory 256 MiB" in view.limits
+            assert await run(api, sandbox_id, "pgrep -c sleep") == (0, "1\n")
+            await api.delete_sandbox(sandbox_id)
 
     log = open(tmp_path / "engine.log", "ab")
     engine = subprocess.Popen([sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(tmp_path)],
@@ -273,18 +284,22 @@ def test_a_killed_engine_leaves_no_process_and_the_next_one_reaps_the_rest(tmp_p
     finally:
         engine.send_signal(signal.SIGKILL)
         engine.wait()
-    deadline = time.monotonic() + 10
-    while sandbox_pids(sandbox_id) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sandbox_pids(sandbox_id) == []  # bwrap --die-with-parent took the sandbox down
-    leftovers = tmp_path / "sandboxes" / sandbox_id
-    assert leftovers.is_dir()
-    if disk.available():  # its volume was mounted only in its own namespace: gone with it
-        while loop_devices_backed_by(leftovers / "disk.img") and time.monotonic() < deadline:
+    assert sandbox_pids(sandbox_id, b"sleep")  # still running, with nobody managing it
+    unvouched = tmp_path / "sandboxes" / "sb-half-made"
+    unvouched.mkdir()
+    with running_engine(tmp_path) as endpoint:
+        assert not unvouched.exists()
+        asyncio.run(check_and_destroy(endpoint, sandbox_id))
+        deadline = time.monotonic() + 10
+        while sandbox_pids(sandbox_id) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert loop_devices_backed_by(leftovers / "disk.img") == []
-    with running_engine(tmp_path):
+        assert sandbox_pids(sandbox_id) == []
+        leftovers = tmp_path / "sandboxes" / sandbox_id
         assert not leftovers.exists()
+        if disk.available():  # its volume was mounted only in its own namespace: gone with it
+            while loop_devices_backed_by(leftovers / "disk.img") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert loop_devices_backed_by(leftovers / "disk.img") == []
         cgroup_parents = [*LIMITER.v1.values(), getattr(select_freezer(), "parent", None)]
         for parent in filter(None, cgroup_parents):
             assert not (parent / sandbox_id).exists()
@@ -305,7 +320,8 @@ async def test_the_engine_keeps_its_state_to_its_user(tmp_path: Path) -> None:
             code, output = await run(api, created.id, "umask; touch /workspace/f; stat -c %a /workspace/f")
             assert (code, output) == (0, "0022\n644\n")  # the sandbox's own files: as usual
     finally:
+        destroy_every_sandbox(endpoint)  # a stopped engine would leave it running
         os.kill(endpoint.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15  # it destroys its sandbox, then removes engine.json
+        deadline = time.monotonic() + 15  # it removes engine.json as it exits
         while (tmp_path / "engine.json").exists() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -28,10 +28,11 @@ async def test_one_command() -> None:
     assert fork.startswith("  %sandbox fork [--name N] [--switch]\n") and "--switch makes" in fork
     assert "%sandbox attach ID" not in fork
     # A required argument missing does not get in the way of asking for help.
-    assert (await printed("%sandbox attach -h")).startswith("  %sandbox attach ID [--destroy-previous]")
+    assert (await printed("%sandbox attach -h")).startswith("  %sandbox attach ID|NAME [--destroy-previous]")
     assert await printed("%sandbox on-shutdown --help") == (
         "  %sandbox on-shutdown destroy|pause|keep\n"
-        "                                  what closing this notebook does to its sandbox\n")
+        "                                  what closing this notebook does to its sandboxes (the ones\n"
+        "                                  it created or forked and did not keep)\n")
 
 
 async def test_egress_help() -> None:

@@ -32,7 +32,7 @@ def test_split_cell_keeps_order_and_only_takes_top_level_magics() -> None:
     ("%sandbox pause now", "unrecognized arguments: now"),
     ("%sandbox frobnicate", "invalid choice: 'frobnicate'"),
     ("%sandbox on-shutdown sometimes", "invalid choice: 'sometimes'"),
-    ("%sandbox attach", "the following arguments are required: sandbox_id"),
+    ("%sandbox attach", "the following arguments are required: ID|NAME"),
 ])
 def test_bad_magic_lines_give_one_line(line: str, fragment: str) -> None:
     with pytest.raises(MagicError) as caught:
@@ -105,14 +105,14 @@ def test_help(kc: BlockingKernelClient, sandbox_id: str) -> None:
     for line in ("%sandbox", "%sandbox help", "%sandbox --help"):
         text = execute(kc, line).text()
         assert text.startswith("%sandbox — manage this notebook's sandbox")
-        assert "%sandbox pause" in text and "%sandbox attach ID" in text
+        assert "%sandbox pause" in text and "%sandbox attach ID|NAME" in text
 
 
 @pytest_slow
 def test_misuse_is_one_line_and_the_kernel_lives(kc: BlockingKernelClient, sandbox_id: str,
                                                  engine: EngineEndpoint) -> None:
     assert "invalid choice: 'frobnicate'" in one_error_line(kc, "%sandbox frobnicate")
-    assert "sandbox not found" in one_error_line(kc, "%sandbox attach sb-no-such-sandbox")
+    assert "no sandbox with id or name 'sb-no-such-sandbox'" in one_error_line(kc, "%sandbox attach sb-no-such-sandbox")
     assert one_error_line(kc, "%sandbox resume").startswith("sandbox-kernel: ")  # it is running
     gone = create_and_destroy(engine)
     assert f"sandbox {gone} is destroyed: it cannot run cells" in one_error_line(kc, f"%sandbox attach {gone}")

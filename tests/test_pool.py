@@ -63,7 +63,7 @@ def test_kernels_start_on_pooled_sandboxes_never_the_same_one_and_the_pool_refil
             execute(first, "1")
             pooled = wait_full(warm)
             listed = cli("ls").stdout
-            assert all(f"{sandbox_id}" in line and line.endswith("(warm pool)")
+            assert all(f"{sandbox_id}" in line and line.endswith("owner: warm pool")
                        for sandbox_id in pooled for line in listed.splitlines() if line.startswith(sandbox_id))
             dry_run = cli("gc", "--dry-run").stdout
             assert not any(sandbox_id in dry_run for sandbox_id in pooled)  # members are not orphans

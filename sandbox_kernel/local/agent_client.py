@@ -38,8 +38,11 @@ class RequestTooLarge(Exception):
 
 
 class AgentClient:
-    def __init__(self, socket_dir: Path) -> None:
+    def __init__(self, socket_dir: Path, open_connections: set[asyncio.StreamWriter] | None = None) -> None:
         self.socket_dir = socket_dir
+        # Where its open connections are noted (the sandbox's, shared by all its clients), so
+        # that an engine that stops can end them: see Engine.close.
+        self.open_connections = open_connections if open_connections is not None else set()
 
     @contextlib.asynccontextmanager
     async def _connect(self, limit: int
@@ -54,9 +57,11 @@ class AgentClient:
             raise AgentUnavailable(str(exc)) from None
         finally:
             os.close(dir_fd)
+        self.open_connections.add(writer)
         try:
             yield reader, writer
         finally:
+            self.open_connections.discard(writer)
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()

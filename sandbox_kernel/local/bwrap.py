@@ -229,7 +229,8 @@ def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path, seccomp
            "--unshare-uts", "--unshare-cgroup-try",
            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID),
            "--hostname", hostname,
-           "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+           # no --die-with-parent: a sandbox outlives the engine that started it (registry.py)
+           "--new-session", "--cap-drop", "ALL",
            "--ro-bind", "/usr", "/usr"]
     for name in USR_LINKS:
         host = Path("/") / name

@@ -15,6 +15,7 @@ import os
 import resource
 import secrets
 import shutil
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -36,7 +37,7 @@ from .agent_client import (AgentClient, AgentError, AgentUnavailable, RequestToo
                            exec_request)
 from .egress_gate import EgressGate
 from .signal_relay import SignalRelay
-from . import disk, seccomp
+from . import disk, registry, seccomp
 from .access_tokens import AccessToken, digest
 from .catalog import HOST_PYTHON, UnknownRootfs, local_rootfs
 from .bwrap import AGENT_DIR, STAGE, Handover, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
@@ -183,9 +184,11 @@ class Family:
     member's agent stays on as the namespace's keeper while relatives remain.
     """
 
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | registry.AdoptedProcess
     founder: str  # the sandbox bwrap was started for; its agent holds the namespace
-    console: ConsoleTail  # what its processes write to the stdout and stderr bwrap was given
+    # What its processes write to the stdout and stderr bwrap was given (for a family taken
+    # over from an earlier engine: once the event loop runs, start_adopted).
+    console: ConsoleTail | None
     members: set[str] = field(default_factory=set)  # ids of its sandboxes not yet destroyed
     # Host pids that hold the pid namespace: bwrap, its init and the command init runs
     # (the founder's agent). Noted once the agent answers, before any user process exists
@@ -222,23 +225,40 @@ class Family:
 
 
 class ConsoleTail:
-    """Drains the pipe a sandbox got as bwrap's stdout and stderr, keeping only its end.
+    """Drains the FIFO a sandbox got as bwrap's stdout and stderr, keeping only its end.
 
-    bwrap, the disk's mount step and the agent report start failures there. Every process
-    of the sandbox can write to it too (through /proc/<agent>/fd/2), so it is never a host
-    file (that would fill the host's disk past the sandbox's cap) nor held whole: the last
-    CONSOLE_TAIL bytes are kept, and it is read at CONSOLE_RATE at most, so a flood costs
-    the engine little and its writers wait.
+    bwrap, the disk's mount step and the agent report start failures there. It is never a
+    host file (every process of the sandbox could fill the host's disk through it, past the
+    sandbox's cap) nor held whole: the last CONSOLE_TAIL bytes are kept, and it is read at
+    CONSOLE_RATE at most, so a flood costs the engine little and its writers wait. A FIFO in
+    the sandbox's host dir rather than a pipe, so that the next engine reads it after this
+    one stops (registry.py); while no engine reads it a write there fails (EPIPE).
     """
 
-    def __init__(self, pipe: asyncio.StreamReader) -> None:
+    def __init__(self, path: Path) -> None:
+        if not path.exists():
+            os.mkfifo(path, 0o600)
+        self.path = path
         self.tail = b""
-        self.task = asyncio.get_running_loop().create_task(self._drain(pipe))
+        reading = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        self.task = asyncio.get_running_loop().create_task(self._drain(reading))
 
-    async def _drain(self, pipe: asyncio.StreamReader) -> None:
-        while chunk := await pipe.read(64 * 1024):
-            self.tail = (self.tail + chunk)[-CONSOLE_TAIL:]
-            await asyncio.sleep(len(chunk) / CONSOLE_RATE)
+    def writer(self) -> int:
+        """A descriptor to give bwrap as its stdout and stderr (this end is open to read, so
+        the open does not wait). Open it before the drain first runs: a FIFO with no writer
+        reads as ended."""
+        return os.open(self.path, os.O_WRONLY)
+
+    async def _drain(self, reading: int) -> None:
+        pipe = asyncio.StreamReader()
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(pipe), os.fdopen(reading, "rb", buffering=0))
+        try:
+            while chunk := await pipe.read(64 * 1024):
+                self.tail = (self.tail + chunk)[-CONSOLE_TAIL:]
+                await asyncio.sleep(len(chunk) / CONSOLE_RATE)
+        finally:
+            transport.close()
 
     async def last_words(self) -> str:
         """The end of what was written, once its writers are gone (bwrap exited)."""
@@ -290,6 +310,7 @@ class LocalSandbox:
     # Auto-pause: last exec/file request (monotonic) and execs still streaming.
     last_activity: float = field(default_factory=time.monotonic)
     active_execs: int = 0
+    agent_connections: set[asyncio.StreamWriter] = field(default_factory=set)  # open now, to any client
 
     @property
     def limits(self) -> Limits:
@@ -297,7 +318,7 @@ class LocalSandbox:
 
     @property
     def agent(self) -> AgentClient:
-        return AgentClient(self.agent_dir or self.dirs.agent)
+        return AgentClient(self.agent_dir or self.dirs.agent, self.agent_connections)
 
     def view(self) -> SandboxView:
         return SandboxView(
@@ -313,6 +334,33 @@ class LocalSandbox:
             last_resumed_at=rfc3339(self.last_resumed_at) if self.last_resumed_at else None,
             oom_kills=self.limited.oom_kills() if self.limited else None,
             limits=self.limited.description if self.limited else None)
+
+    def record(self) -> dict:
+        """What a later engine needs to take this sandbox over (registry.py)."""
+        family, frozen, limited, token = self.family, self.frozen, self.limited, self.access_token
+        assert family is not None
+        return {
+            "id": self.id, "name": self.name, "shape": self.shape.id, "envs": self.envs,
+            "egress": self.egress, "auto_pause_after_seconds": self.auto_pause_after_seconds,
+            "disk_mib": self.disk_mib, "rootfs": self.rootfs, "status": self.status.value,
+            "created_at": self.created_at, "running_at": self.running_at, "spawn_ms": self.spawn_ms,
+            "paused_at": self.paused_at, "last_resumed_at": self.last_resumed_at,
+            "forked_from": self.forked_from, "agent_dir": str(self.agent_dir) if self.agent_dir else None,
+            "host_user": self.host_user.uid if self.host_user else None,
+            "access_token": token and {"hashed": token.hashed.hex(), "hint": token.hint,
+                                       "created_at": token.created_at, "rotated_at": token.rotated_at,
+                                       "enabled": token.enabled},
+            "family": {"founder": family.founder, "bwrap_pid": family.process.pid,
+                       "bwrap_started": registry.start_time(family.process.pid),
+                       "keepers": sorted(family.keepers)},
+            "frozen": frozen and {"pid": frozen.pid, "cgroup": str(frozen.cgroup) if frozen.cgroup else None,
+                                  "more": list(frozen.more), "stopped": sorted(frozen.stopped),
+                                  "spared": sorted(frozen.spared)},
+            "limited": limited and {"description": limited.description,
+                                    "v1_cgroups": {k: str(v) for k, v in limited.v1_cgroups.items()},
+                                    "v2_cgroup": str(limited.v2_cgroup) if limited.v2_cgroup else None,
+                                    "oom_events": str(limited.oom_events) if limited.oom_events else None},
+        }
 
     def touch(self) -> None:
         self.last_activity = time.monotonic()
@@ -334,8 +382,8 @@ class Engine:
         log.info("pausing sandboxes with: %s", self.freezer.describe())
         self.limiter = select_limiter(self.freezer.parent if isinstance(self.freezer, CgroupV2Freezer) else None)
         self.disk_capped = disk.available()
-        self._reap_leftovers()
         self._auto_pauser: asyncio.Task | None = None
+        self._reap_leftovers(self._adopt())
         # The engine's own API addresses: no egress rule may open their ports on any
         # address of the host to a sandbox.
         self.api_addresses: list[tuple[str, int]] = []
@@ -378,6 +426,7 @@ class Engine:
             raise Conflict("the sandbox already has an enabled access token: rotate or disable it",
                            code="access_token_exists")
         sandbox.access_token, plaintext = AccessToken.issue()
+        self._save(sandbox)
         return sandbox.access_token, plaintext
 
     def rotate_access_token(self, sandbox_id: str) -> tuple[AccessToken, str]:
@@ -385,12 +434,14 @@ class Engine:
         if not (sandbox.access_token and sandbox.access_token.enabled):
             raise NotFound("the sandbox has no access token to rotate", code="access_token_not_found")
         sandbox.access_token, plaintext = AccessToken.issue(previous=sandbox.access_token)
+        self._save(sandbox)
         return sandbox.access_token, plaintext
 
     def disable_access_token(self, sandbox_id: str) -> AccessToken | None:
         sandbox = self.get(sandbox_id)
         if sandbox.access_token:
             sandbox.access_token.enabled = False
+            self._save(sandbox)
         return sandbox.access_token
 
     def list(self, status: str | None = None) -> list[LocalSandbox]:
@@ -452,6 +503,8 @@ class Engine:
         listener = self._agent_listener(sandbox.dirs)
         seccomp_fd = seccomp.program_fd()
         handover = Handover(stage=sandbox.host_user is not None)
+        console = ConsoleTail(sandbox.dirs.root / "console")
+        console_writer = console.writer()
         args_read, args_write = os.pipe()
         try:
             arguments = "\0".join(bwrap_arguments(
@@ -463,10 +516,10 @@ class Engine:
             if self.disk_capped:  # mounted as root, before the drop to the sandbox's user
                 command = disk.mounted(command, image, sandbox.dirs.volume)
             process = await asyncio.create_subprocess_exec(
-                *command,
+                *command, start_new_session=True,  # no signal to the engine's group reaches it
                 pass_fds=(args_read, seccomp_fd, listener.fileno(), *handover.fds),
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, preexec_fn=limit_sandbox_fds)
+                stdin=asyncio.subprocess.DEVNULL, stdout=console_writer, stderr=console_writer,
+                preexec_fn=limit_sandbox_fds)
         except BaseException:
             os.close(args_write)
             raise
@@ -474,10 +527,9 @@ class Engine:
             os.close(args_read)
             os.close(seccomp_fd)
             handover.close()
+            os.close(console_writer)  # bwrap has its own copies
             listener.close()  # the agent has its own copy
-        assert process.stdout is not None
-        sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id},
-                                console=ConsoleTail(process.stdout))
+        sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id}, console=console)
         # bwrap is blocked reading its options: put it into the sandbox's cgroup now, so
         # every process the sandbox ever creates starts inside it.
         self._attach(sandbox, process.pid)
@@ -489,6 +541,7 @@ class Engine:
         sandbox.spawn_ms = int((time.monotonic() - started) * 1000)
         sandbox.running_at = time.time()
         sandbox.status = SandboxStatus.RUNNING
+        self._save(sandbox)
         asyncio.get_running_loop().create_task(self._watch(sandbox.family))
         log.info("sandbox %s running (%d ms)", sandbox.id, sandbox.spawn_ms)
 
@@ -534,7 +587,7 @@ class Engine:
         assert sandbox.family is not None
         while time.monotonic() < deadline:
             if sandbox.family.process.returncode is not None:
-                detail = await sandbox.family.console.last_words()
+                detail = await sandbox.family.console.last_words() if sandbox.family.console else ""
                 raise SandboxStartFailed(f"sandbox failed to start: {detail[-500:] or 'bwrap exited'}")
             with contextlib.suppress(AgentUnavailable, FileNotFoundError):
                 await sandbox.agent.ping()
@@ -572,8 +625,8 @@ class Engine:
 
     async def _stop(self, sandbox: LocalSandbox) -> None:
         # The freezer kills whatever it holds and thaws it (a frozen process only dies
-        # once thawed). Killing bwrap kills its init (--die-with-parent), and with it the
-        # whole pid namespace: that happens with the family's last sandbox. Before that,
+        # once thawed). Killing bwrap's init, and with it the whole pid namespace, and
+        # bwrap happens with the family's last sandbox. Before that,
         # the founder's agent, bwrap and its init stay, as the keepers of the namespace
         # its forks live in.
         if sandbox.gate:
@@ -591,6 +644,11 @@ class Engine:
                     sandbox.limited.move(family.keepers)
             await asyncio.to_thread(sandbox.freezer.kill, sandbox.frozen)
         if last and family and family.process.returncode is None:
+            # bwrap has no --die-with-parent (sandboxes outlive the engine), so its init
+            # (read as bwrap's child while bwrap still runs) does not die with it.
+            for pid in child_pids(family.process.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
             family.process.kill()
             await family.process.wait()
         if sandbox.freezer and sandbox.frozen:
@@ -601,12 +659,78 @@ class Engine:
             sandbox.limited = None
         await asyncio.to_thread(shutil.rmtree, sandbox.dirs.root, True)
 
-    def _reap_leftovers(self) -> None:
-        """Clear what an engine that died left in this state dir: its sandboxes' processes
-        died with it (bwrap's --die-with-parent), but not their cgroups and files.
-        A frozen v1 cgroup would keep its processes alive, so it is thawed and emptied.
-        (Disk volumes are mounted only in their sandbox's mount namespace: gone with it.)"""
-        stale = {entry.name for entry in os.scandir(self.sandbox_root) if entry.is_dir()}
+    def _save(self, sandbox: LocalSandbox) -> None:
+        if sandbox.family is not None and sandbox.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED):
+            registry.save(sandbox.dirs.root, sandbox.record())
+
+    def _adopt(self) -> set[str]:
+        """Take over the sandboxes an earlier engine on this state dir left running or
+        paused (registry.py); their ids."""
+        families: dict[str, Family] = {}
+        for record in registry.load(self.sandbox_root):
+            shape = next((s for s in SHAPES if s.id == record["shape"]), None)
+            if shape is None:
+                continue
+            kin = record["family"]
+            family = families.get(kin["founder"])
+            if family is None:
+                family = families[kin["founder"]] = Family(
+                    registry.AdoptedProcess(kin["bwrap_pid"], kin["bwrap_started"]),
+                    founder=kin["founder"], console=None, keepers=set(kin["keepers"]))
+            family.members.add(record["id"])
+            status = SandboxStatus(record["status"])
+            sandbox = LocalSandbox(
+                id=record["id"], name=record["name"], shape=shape,
+                dirs=SandboxDirs(self.sandbox_root / record["id"]), envs=record["envs"],
+                egress=record["egress"], auto_pause_after_seconds=record["auto_pause_after_seconds"],
+                disk_mib=record["disk_mib"], rootfs=record["rootfs"],
+                # a transition the old engine did not finish: say so rather than guess
+                status=status if status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED) else SandboxStatus.ERROR,
+                created_at=record["created_at"], running_at=record["running_at"],
+                spawn_ms=record["spawn_ms"], paused_at=record["paused_at"],
+                last_resumed_at=record["last_resumed_at"], family=family,
+                forked_from=record["forked_from"],
+                agent_dir=Path(record["agent_dir"]) if record["agent_dir"] else None,
+                host_user=HostUser(record["host_user"]) if record.get("host_user") is not None else None)
+            if token := record.get("access_token"):
+                sandbox.access_token = AccessToken(**{**token, "hashed": bytes.fromhex(token["hashed"])})
+            if frozen := record["frozen"]:
+                sandbox.freezer = self.freezer
+                sandbox.frozen = Handle(sandbox.id, frozen["pid"], frozen["cgroup"] and Path(frozen["cgroup"]),
+                                        tuple(frozen["more"]), set(frozen["stopped"]), set(frozen["spared"]))
+            if limited := record["limited"]:
+                sandbox.limited = Applied(
+                    sandbox.id, limited["description"],
+                    {name: Path(path) for name, path in limited["v1_cgroups"].items()},
+                    limited["v2_cgroup"] and Path(limited["v2_cgroup"]),
+                    limited["oom_events"] and Path(limited["oom_events"]))
+            self.sandboxes[sandbox.id] = sandbox
+        if self.sandboxes:
+            log.info("took over %d sandboxes a previous engine left", len(self.sandboxes))
+        return set(self.sandboxes)
+
+    async def start_adopted(self) -> None:
+        """Once the event loop runs: egress gates, watchers and auto-pause for the
+        sandboxes taken over (their idle time counts from now)."""
+        watched = set()
+        for sandbox in self.sandboxes.values():
+            if sandbox.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED):
+                self._open_gate(sandbox)
+            sandbox.touch()
+            if sandbox.family and sandbox.family.founder not in watched:
+                watched.add(sandbox.family.founder)
+                sandbox.family.console = ConsoleTail(self.sandbox_root / sandbox.family.founder / "console")
+                asyncio.get_running_loop().create_task(self._watch(sandbox.family))
+        if self.sandboxes:
+            self._start_auto_pauser()
+
+    def _reap_leftovers(self, adopted: set[str]) -> None:
+        """Clear what an engine that died left in this state dir and nobody took over
+        (a sandbox it was still creating, or one whose processes are gone): processes,
+        cgroups and files. A frozen v1 cgroup would keep its processes alive, so it is
+        thawed and emptied. (Disk volumes are mounted only in their sandbox's mount
+        namespace: gone with it.)"""
+        stale = {entry.name for entry in os.scandir(self.sandbox_root) if entry.is_dir()} - adopted
         if not stale:
             return
         log.info("removing %d sandboxes a previous engine left behind", len(stale))
@@ -632,15 +756,28 @@ class Engine:
                 return name
 
     async def close(self) -> None:
-        """Destroy every sandbox (their running commands end with an error frame); no new ones."""
+        """Stop managing the sandboxes and leave them running (or paused): the next engine
+        on this state dir takes them over (registry.py). Destroying them is an explicit act.
+        Commands running in execs end with an error frame (engine_shut_down): their agent
+        connections close, as when a client abandons an exec; managed processes run on."""
+        if self.closing:
+            return
         self.closing = True
         if self._auto_pauser:
             self._auto_pauser.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._auto_pauser
         for sandbox in list(self.sandboxes.values()):
-            if sandbox.status not in TERMINAL:
-                await self.destroy(sandbox.id)
+            if sandbox.transition and not sandbox.transition.done():
+                with contextlib.suppress(Exception):  # a pause or resume is short: let it settle
+                    await asyncio.shield(sandbox.transition)
+            if sandbox.gate:
+                await sandbox.gate.stop()
+            if sandbox.signals:
+                await sandbox.signals.stop()
+            for connection in list(sandbox.agent_connections):
+                connection.close()
+            self._save(sandbox)
 
     # -- pause, resume, patch ---------------------------------------------------------
 
@@ -717,6 +854,7 @@ class Engine:
         child.spawn_ms = int((time.monotonic() - started) * 1000)
         child.running_at = time.time()
         child.status = SandboxStatus.PAUSED if start_paused else SandboxStatus.RUNNING
+        self._save(child)
         log.info("sandbox %s forked from %s (%d ms)", child.id, source.id, child.spawn_ms)
 
     def _open_gate(self, sandbox: LocalSandbox) -> None:
@@ -751,6 +889,7 @@ class Engine:
         sandbox.egress = checked_egress(rules)
         if sandbox.gate:
             sandbox.gate.rules_changed()
+        self._save(sandbox)
         return sandbox
 
     def patch(self, sandbox_id: str, request: PatchSandboxRequest) -> LocalSandbox:
@@ -763,6 +902,7 @@ class Engine:
         elif request.auto_pause_after_seconds is not None:
             sandbox.auto_pause_after_seconds = request.auto_pause_after_seconds
             sandbox.touch()  # the new timeout counts from now
+        self._save(sandbox)
         return sandbox
 
     def _begin(self, sandbox: LocalSandbox, status: SandboxStatus, work) -> None:  # type: ignore[no-untyped-def]
@@ -781,6 +921,7 @@ class Engine:
         if sandbox.status == SandboxStatus.PAUSING:
             sandbox.status = SandboxStatus.PAUSED
             sandbox.paused_at = time.time()
+            self._save(sandbox)
             log.info("sandbox %s paused", sandbox.id)
 
     async def _thaw(self, sandbox: LocalSandbox) -> None:
@@ -796,6 +937,7 @@ class Engine:
             sandbox.status = SandboxStatus.RUNNING
             sandbox.last_resumed_at = time.time()
             sandbox.touch()  # auto-pause counts from the resume, not from before the pause
+            self._save(sandbox)
             log.info("sandbox %s resumed", sandbox.id)
 
     def _start_auto_pauser(self) -> None:

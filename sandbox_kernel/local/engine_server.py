@@ -1,4 +1,4 @@
-"""uvicorn, taught to end the engine's sandboxes before it waits for open requests."""
+"""uvicorn, taught to end the engine's running commands before it waits for open requests."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from .engine import Engine
 
 class EngineServer(uvicorn.Server):
     """On SIGTERM/SIGINT uvicorn would wait (up to its grace period) for open requests,
-    then cut them mid-body. Destroying the sandboxes first ends every running command the
-    way CreateOS ends it (a buffered exec gets a JSend error, a stream an error frame and
-    an exit code), so the requests finish by themselves and nothing is torn."""
+    then cut them mid-body. Engine.close first ends every command running in an exec the
+    way CreateOS ends an exec it cannot finish (a buffered exec gets a JSend error, a
+    stream an error frame and an exit code), so the requests finish by themselves and
+    nothing is torn; the sandboxes themselves, and their managed processes, run on for the
+    next engine to take over."""
 
     def __init__(self, engine: Engine, config: uvicorn.Config) -> None:
         super().__init__(config)
@@ -21,6 +23,6 @@ class EngineServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for listener in self.servers:
-            listener.close()  # no new connections while the sandboxes go
+            listener.close()  # no new connections while the commands end
         await self.engine.close()
         await super().shutdown(sockets=sockets)

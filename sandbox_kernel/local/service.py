@@ -108,6 +108,46 @@ def ensure_engine(state_dir: Path, idle_timeout: float = 600.0) -> EngineEndpoin
         raise RuntimeError(f"the local engine did not start within {START_TIMEOUT:.0f} s")
 
 
+class EngineRestarting(httpx.AsyncBaseTransport):
+    """The kernel's way to its local engine over the unix socket. When no engine answers
+    there (it was stopped, killed or is being upgraded), it starts one for the state dir,
+    as the kernel did at start, and sends the request again: the new engine has taken the
+    sandboxes over (registry.py), so the kernel carries on where it was."""
+
+    def __init__(self, socket_path: str, state_dir: Path, idle_timeout: float) -> None:
+        self.inner = httpx.AsyncHTTPTransport(uds=socket_path, verify=False)
+        self.state_dir = state_dir
+        self.idle_timeout = idle_timeout
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self.inner.handle_async_request(request)
+        except httpx.ConnectError:
+            log.warning("the local engine is not answering: starting it again")
+            await asyncio.to_thread(ensure_engine, self.state_dir, self.idle_timeout)
+            return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def stop_engine(state_dir: Path, timeout: float = 30.0) -> bool:
+    """End the engine of state_dir, leaving its sandboxes running (or paused) for the next
+    one; False if none was running."""
+    endpoint = read_endpoint(state_dir)
+    if endpoint is None:
+        return False
+    from .registry import start_time
+
+    os.kill(endpoint.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if start_time(endpoint.pid) is None:  # gone (or a zombie its parent has yet to reap)
+            return True
+        time.sleep(0.05)
+    raise RuntimeError(f"the local engine (pid {endpoint.pid}) did not stop within {timeout:.0f} s")
+
+
 def _exit_after_cleanup(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -158,6 +198,7 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # `serve --state-dir NEW` makes it
     token = load_or_create_token(state_dir)
     engine = Engine(state_dir)
+    await engine.start_adopted()
     app = create_app(engine, token)
     tcp = _listen_tcp(host, port)
     unix = _listen_unix(state_dir / SOCKET_FILE)
@@ -190,8 +231,9 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
 
     watcher = asyncio.get_running_loop().create_task(announce_and_watch_idle())
     # uvicorn stops on SIGTERM, then raises the signal again under the handler it found:
-    # by default that kills the process before the cleanup below (sandboxes destroyed,
-    # their cgroups and files removed). This handler turns it into SystemExit instead.
+    # by default that kills the process before the cleanup below (running commands ended,
+    # every sandbox's record saved for the next engine). This handler turns it into
+    # SystemExit instead.
     signal.signal(signal.SIGTERM, _exit_after_cleanup)
     try:
         await server.serve(sockets=sockets)
