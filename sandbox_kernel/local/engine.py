@@ -186,8 +186,8 @@ class Family:
 
     process: asyncio.subprocess.Process | registry.AdoptedProcess
     founder: str  # the sandbox bwrap was started for; its agent holds the namespace
-    # What its processes write to the stdout and stderr bwrap was given (for a family taken
-    # over from an earlier engine: once the event loop runs, start_adopted).
+    # What its processes write to the stdout and stderr bwrap was given (None for a family
+    # taken over from an earlier engine: that pipe's reader was the earlier engine).
     console: ConsoleTail | None
     members: set[str] = field(default_factory=set)  # ids of its sandboxes not yet destroyed
     # Host pids that hold the pid namespace: bwrap, its init and the command init runs
@@ -225,40 +225,24 @@ class Family:
 
 
 class ConsoleTail:
-    """Drains the FIFO a sandbox got as bwrap's stdout and stderr, keeping only its end.
+    """Drains the pipe a sandbox got as bwrap's stdout and stderr, keeping only its end.
 
     bwrap, the disk's mount step and the agent report start failures there. It is never a
     host file (every process of the sandbox could fill the host's disk through it, past the
     sandbox's cap) nor held whole: the last CONSOLE_TAIL bytes are kept, and it is read at
-    CONSOLE_RATE at most, so a flood costs the engine little and its writers wait. A FIFO in
-    the sandbox's host dir rather than a pipe, so that the next engine reads it after this
-    one stops (registry.py); while no engine reads it a write there fails (EPIPE).
+    CONSOLE_RATE at most, so a flood costs the engine little and its writers wait. Only
+    start failures are read from it: a sandbox taken over from an earlier engine has no
+    reader any more, and a write there fails (EPIPE).
     """
 
-    def __init__(self, path: Path) -> None:
-        if not path.exists():
-            os.mkfifo(path, 0o600)
-        self.path = path
+    def __init__(self, pipe: asyncio.StreamReader) -> None:
         self.tail = b""
-        reading = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        self.task = asyncio.get_running_loop().create_task(self._drain(reading))
+        self.task = asyncio.get_running_loop().create_task(self._drain(pipe))
 
-    def writer(self) -> int:
-        """A descriptor to give bwrap as its stdout and stderr (this end is open to read, so
-        the open does not wait). Open it before the drain first runs: a FIFO with no writer
-        reads as ended."""
-        return os.open(self.path, os.O_WRONLY)
-
-    async def _drain(self, reading: int) -> None:
-        pipe = asyncio.StreamReader()
-        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(pipe), os.fdopen(reading, "rb", buffering=0))
-        try:
-            while chunk := await pipe.read(64 * 1024):
-                self.tail = (self.tail + chunk)[-CONSOLE_TAIL:]
-                await asyncio.sleep(len(chunk) / CONSOLE_RATE)
-        finally:
-            transport.close()
+    async def _drain(self, pipe: asyncio.StreamReader) -> None:
+        while chunk := await pipe.read(64 * 1024):
+            self.tail = (self.tail + chunk)[-CONSOLE_TAIL:]
+            await asyncio.sleep(len(chunk) / CONSOLE_RATE)
 
     async def last_words(self) -> str:
         """The end of what was written, once its writers are gone (bwrap exited)."""
@@ -503,8 +487,6 @@ class Engine:
         listener = self._agent_listener(sandbox.dirs)
         seccomp_fd = seccomp.program_fd()
         handover = Handover(stage=sandbox.host_user is not None)
-        console = ConsoleTail(sandbox.dirs.root / "console")
-        console_writer = console.writer()
         args_read, args_write = os.pipe()
         try:
             arguments = "\0".join(bwrap_arguments(
@@ -518,8 +500,8 @@ class Engine:
             process = await asyncio.create_subprocess_exec(
                 *command, start_new_session=True,  # no signal to the engine's group reaches it
                 pass_fds=(args_read, seccomp_fd, listener.fileno(), *handover.fds),
-                stdin=asyncio.subprocess.DEVNULL, stdout=console_writer, stderr=console_writer,
-                preexec_fn=limit_sandbox_fds)
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, preexec_fn=limit_sandbox_fds)
         except BaseException:
             os.close(args_write)
             raise
@@ -527,9 +509,10 @@ class Engine:
             os.close(args_read)
             os.close(seccomp_fd)
             handover.close()
-            os.close(console_writer)  # bwrap has its own copies
             listener.close()  # the agent has its own copy
-        sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id}, console=console)
+        assert process.stdout is not None
+        sandbox.family = Family(process, founder=sandbox.id, members={sandbox.id},
+                                console=ConsoleTail(process.stdout))
         # bwrap is blocked reading its options: put it into the sandbox's cgroup now, so
         # every process the sandbox ever creates starts inside it.
         self._attach(sandbox, process.pid)
@@ -719,7 +702,6 @@ class Engine:
             sandbox.touch()
             if sandbox.family and sandbox.family.founder not in watched:
                 watched.add(sandbox.family.founder)
-                sandbox.family.console = ConsoleTail(self.sandbox_root / sandbox.family.founder / "console")
                 asyncio.get_running_loop().create_task(self._watch(sandbox.family))
         if self.sandboxes:
             self._start_auto_pauser()
