@@ -8,7 +8,7 @@ order, so `x = 1` / `%sandbox pause` pauses after x is set.
 from __future__ import annotations
 
 import argparse
-import html
+import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -18,7 +18,7 @@ from .api import EgressView, SandboxView
 from .api.models import parse_rfc3339
 from .config import SHUTDOWN_POLICIES
 from .cost import Cost
-from .output import CellOutput
+from .output import CellOutput, escape_html
 from .session import SandboxSession
 
 MAGIC = "%sandbox"
@@ -26,6 +26,9 @@ EGRESS = "%egress"
 # CreateOS has no deny-all token (an empty list allows all): one rule that matches nothing
 # useful, a port on a documentation-only address (RFC 5737), stands for "block all".
 BLOCK_ALL = "192.0.2.1:9"
+SHOWN_REFUSALS = 3  # egress refusals named after a pip command, at most
+# A cell that runs pip: afterwards the kernel names the egress refusals it caused.
+PIP_COMMAND = re.compile(r"(^|[\s!%;(])pip3?\s|-m\s+pip\b", re.MULTILINE)
 HELP = """\
 %sandbox — manage this notebook's sandbox (handled by the kernel, not run in the sandbox)
 
@@ -186,7 +189,7 @@ def table(rows: list[tuple[str, str]]) -> dict[str, str]:
     """A mime bundle: an HTML table for notebooks, aligned text for everything else."""
     width = max(len(k) for k, _ in rows)
     text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-    body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+    body = "".join(f"<tr><th style='text-align:left'>{escape_html(k)}</th><td>{escape_html(v)}</td></tr>"
                    for k, v in rows)
     return {"text/plain": text, "text/html": f"<table>{body}</table>"}
 
@@ -262,9 +265,17 @@ class SandboxMagics:
         started = time.monotonic()
         parent = self.session.sandbox_id
         line = self.out.progress(f"Forking sandbox {parent}…")
-        child = await self.session.fork(args.name, progress=line, on_pause=self.out.progress)
+        paused_first = ""
+
+        def pausing_first(text: str) -> None:  # on the fork's own line, so the result stays last
+            nonlocal paused_first
+            paused_first = f"; {parent} was paused first"
+            line.headline = text
+            line.update(text)
+
+        child = await self.session.fork(args.name, progress=line, on_pause=pausing_first)
         label = f" ({args.name})" if args.name else ""
-        line.update(f"Forked {parent} into {child.id}{label} in {time.monotonic() - started:.1f} s")
+        line.update(f"Forked {parent} into {child.id}{label} in {time.monotonic() - started:.1f} s{paused_first}")
         if args.switch:
             await self.session.attach(child.id, progress=line)
             self.out.text(f"This notebook now drives the fork {child.id}; the original {parent} stays "
@@ -338,6 +349,23 @@ class SandboxMagics:
                       "(the host, private and link-local addresses still need a rule)\n", name="stderr")
         await self._set_rules([])
 
+    async def refusals_so_far(self) -> int | None:
+        """How many connections the egress rules refused so far (None where the provider does
+        not say: CreateOS)."""
+        return (await self.session.get_egress()).denied_count
+
+    async def show_refusals_since(self, before: int | None) -> None:
+        """Name the refusals since `before`: pip, for one, hides a refused index behind 'no
+        matching distribution'."""
+        if before is None:
+            return
+        view = await self.session.get_egress()
+        new = (view.denied_count or 0) - before
+        for denial in (view.denied or [])[-min(new, SHOWN_REFUSALS):] if new > 0 else []:
+            where = f"{denial.host}:{denial.port}"
+            self.out.text(f"sandbox-kernel: egress refused {where}: {denial.reason} "
+                          f"(%egress allow {where} permits it)\n", name="stderr")
+
     async def _set_rules(self, rules: list[str]) -> None:
         view: EgressView = await self.session.set_egress(rules)
         self.out.text(f"egress: {describe_rules(view.egress or [])}\n")
@@ -346,9 +374,22 @@ class SandboxMagics:
 def checked(rules: list[str]) -> list[str]:
     """Validated before any request, with a one-line reason naming the bad rule."""
     try:
-        return egress_rules.validate(rules)
+        normalized = egress_rules.validate(rules)
     except egress_rules.EgressRuleError as exc:
         raise MagicError(f"%egress: {exc}") from None
+    # CreateOS accepts a bare word as a host rule, but typed in a magic it is almost always
+    # prose (`%egress allow not a rule`): a single-label name must come with a port.
+    words = [rule for rule in normalized if is_bare_word(rule)]
+    if words:
+        raise MagicError(f"%egress: {' '.join(repr(w) for w in words)} is not a rule: give a full host "
+                         "name (example.com), host:port, an IP address or a CIDR")
+    return normalized
+
+
+def is_bare_word(rule: str) -> bool:
+    parsed = egress_rules.parse(rule)
+    return (parsed.kind == "host" and parsed.port is None and "." not in str(parsed.host)
+            and parsed.host != "localhost")
 
 
 def describe_rules(rules: list[str]) -> str:

@@ -58,6 +58,8 @@ OUTPUT_BURST_SECONDS = 4.0
 # Events that count against the limit (and are dropped past it); the others (results,
 # errors, input requests) are one or few per cell and the kernel needs them.
 LIMITED_EVENTS = ("display_data", "update_display_data", "clear_output")
+# Where pip installs inside the sandbox: on its own disk, kept across kernel restarts.
+PACKAGES_PREFIX = "~/.local"
 USAGE = "usage: runner.py serve DIR   (clients: runner_client.py)\n"
 
 
@@ -922,6 +924,39 @@ def _build_ipython_shell(emit, current_count):
     return EventShell.instance(config=config)
 
 
+def _use_workspace_packages() -> None:
+    """`%pip install` and `!pip install` write to PACKAGES_PREFIX on the sandbox's own disk
+    (the Python environment may be read-only, as the local engine's is), and what is there
+    is importable: by this runner, by its subprocesses, and after a restart (a new runner
+    sets this up again; the files stay). pip follows PIP_PREFIX like its --prefix option."""
+    import site
+    import sysconfig
+
+    prefix = os.path.expanduser(PACKAGES_PREFIX)
+    scheme = {"base": prefix, "platbase": prefix}
+    site_dirs = []
+    for kind in ("purelib", "platlib"):
+        path = sysconfig.get_path(kind, "posix_prefix", vars=scheme)
+        if path not in site_dirs:
+            site_dirs.append(path)
+    try:
+        for path in site_dirs:
+            os.makedirs(path, exist_ok=True)
+    except OSError as exc:  # a read-only home: leave pip as it is
+        sys.__stderr__.write("packages: %s is not writable (%s)\n" % (prefix, exc))
+        return
+    os.environ.setdefault("PIP_PREFIX", prefix)
+    os.environ["PYTHONPATH"] = os.pathsep.join(site_dirs + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    os.environ["PATH"] = os.path.join(prefix, "bin") + os.pathsep + os.environ.get("PATH", "")
+    # Ahead of the environment's own site-packages, so an installed version wins; .pth
+    # files in them are processed as in any site dir.
+    first_site = next((i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))),
+                      len(sys.path))
+    sys.path[first_site:first_site] = [p for p in site_dirs if p not in sys.path]
+    for path in site_dirs:
+        site.addsitedir(path)
+
+
 # ----------------------------------------------------------------- daemon
 
 
@@ -954,6 +989,7 @@ class Daemon:
         self.router = OutputRouter(FdCapture())
         self.router.start_threads()
         threading.excepthook = self._log_thread_exception
+        _use_workspace_packages()
         sys.stdout = _make_cell_stream(self.router, "stdout", 1)
         sys.stderr = _make_cell_stream(self.router, "stderr", 2)
         self.engine = self._create_engine()
