@@ -8,7 +8,9 @@ order, so `x = 1` / `%sandbox pause` pauses after x is set.
 from __future__ import annotations
 
 import argparse
+import posixpath
 import re
+import shlex
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -20,9 +22,12 @@ from .config import SHUTDOWN_POLICIES
 from .cost import Cost
 from .output import CellOutput, escape_html
 from .session import SandboxSession
+from .transfer import CHUNK, MAX_FILE, WORKSPACE, Transfer, TransferError, describe_size, host_path, sandbox_path
 
 MAGIC = "%sandbox"
 EGRESS = "%egress"
+UPLOAD = "%upload"
+DOWNLOAD = "%download"
 # CreateOS has no deny-all token (an empty list allows all): one rule that matches nothing
 # useful, a port on a documentation-only address (RFC 5737), stands for "block all".
 BLOCK_ALL = "192.0.2.1:9"
@@ -49,6 +54,9 @@ HELP = """\
   %sandbox on-shutdown destroy|pause|keep
                                   what closing this notebook does to its sandbox
   %sandbox help                   this text; %sandbox COMMAND --help: that command only
+
+  %upload LOCAL [REMOTE], %download REMOTE [LOCAL]: copy files in and out (%upload help)
+  %egress: the sandbox's outbound network allowlist (%egress help)
 """
 EGRESS_HELP = """\
 %egress — the sandbox's outbound network allowlist (enforced outside the sandbox)
@@ -65,6 +73,18 @@ EGRESS_HELP = """\
 A RULE is host, host:port, *.domain (subdomains), an IPv4/IPv6 address or a CIDR, e.g.
 example.com  api.example.com:443  *.example.org  127.0.0.1:8000  10.0.0.0/8
 Changes apply to the next connection; an empty list means every public destination.
+"""
+
+
+TRANSFER_HELP = f"""\
+%upload, %download — copy files between this machine and the sandbox (files API)
+
+  %upload LOCAL [REMOTE]          a file or a directory from this machine into the sandbox
+  %download REMOTE [LOCAL]        a file or a directory from the sandbox to this machine
+
+A relative LOCAL is in the notebook's directory, a relative REMOTE under {WORKSPACE}; REMOTE
+defaults to {WORKSPACE}/<name>, LOCAL to ./<name>. Existing files are overwritten. Files up
+to {describe_size(MAX_FILE)} each; large ones move in {describe_size(CHUNK)} pieces, with a progress line.
 """
 
 
@@ -94,7 +114,7 @@ def split_cell(code: str) -> list[Segment]:
 
 def is_magic_line(line: str) -> bool:
     return any(line.startswith(name) and line[len(name):len(name) + 1] in ("", " ", "\t", "\n", "\r")
-               for name in (MAGIC, EGRESS))
+               for name in (MAGIC, EGRESS, UPLOAD, DOWNLOAD))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -200,6 +220,9 @@ class SandboxMagics:
         self.out = out
 
     async def run(self, line: str) -> None:
+        if line.startswith((UPLOAD, DOWNLOAD)):
+            await self.transfer(line)
+            return
         egress = line.startswith(EGRESS)
         prog, text = (EGRESS, EGRESS_HELP) if egress else (MAGIC, HELP)
         words = line[len(prog):].split()
@@ -305,6 +328,46 @@ class SandboxMagics:
         self.session.on_shutdown = args.policy
         outcome = {"destroy": "destroyed", "pause": "paused", "keep": "kept"}[args.policy]
         self.out.text(f"When this notebook shuts down, sandbox {self.session.sandbox_id} will be {outcome}\n")
+
+    # -- %upload, %download ---------------------------------------------------------------
+
+    async def transfer(self, line: str) -> None:
+        upload = line.startswith(UPLOAD)
+        prog = UPLOAD if upload else DOWNLOAD
+        try:
+            words = shlex.split(line[len(prog):])
+        except ValueError as exc:
+            raise MagicError(f"{prog}: {exc}") from None
+        if not words or words[0] in ("help", "-h", "--help"):
+            self.out.text(TRANSFER_HELP)
+            return
+        if len(words) > 2 or words[0].startswith("-"):
+            raise MagicError(f"{prog}: expected {'LOCAL [REMOTE]' if upload else 'REMOTE [LOCAL]'} "
+                             f"(see {prog} help)")
+        source, target = words[0], words[1] if len(words) == 2 else None
+        name = posixpath.basename(source.rstrip("/")) or source
+        await self._running()
+        line_out = self.out.progress(f"{'Uploading' if upload else 'Downloading'} {source}…")
+        assert self.session.client is not None and self.session.sandbox_id is not None  # started
+        work = Transfer(self.session.client, self.session.sandbox_id, line_out)
+        try:
+            if upload:
+                done = await work.upload(host_path(source), sandbox_path(target or name))
+            else:
+                done = await work.download(sandbox_path(source), host_path(target or name))
+        except TransferError as exc:
+            line_out.update(f"{prog} {source}: failed")
+            raise MagicError(f"{prog}: {exc}") from None
+        except OSError as exc:  # this machine's side: permissions, a full disk...
+            line_out.update(f"{prog} {source}: failed")
+            raise MagicError(f"{prog}: {exc.strerror or exc}: {exc.filename or source}") from None
+        line_out.update(done)
+
+    async def _running(self) -> None:
+        """The files API wants a running sandbox: resume a paused one, saying so."""
+        view = await self.session.view()
+        if view.status.value in ("paused", "pausing"):
+            await self._transition("Resuming", self.session.resume, "running again")
 
     # -- %egress ------------------------------------------------------------------------
 
