@@ -88,6 +88,8 @@ class SandboxKernel(Kernel):
         # the service carries on; only the cell stops waiting.
         self.interruptible: asyncio.Future[Any] | None = None
         self.wait_interrupted = False
+        # Client sessions that asked is_complete: terminals (see _frontend_updates_in_place).
+        self.terminal_sessions: set[str] = set()
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -145,10 +147,14 @@ class SandboxKernel(Kernel):
         return (f"Sandbox {self.sandbox.sandbox_id} ready on {self._provider()}{why}{took} "
                 f"(Python {python}) · %sandbox --help")
 
+    def _client_session(self) -> str:
+        return self.get_parent().get("header", {}).get("session", "")
+
     def _frontend_updates_in_place(self) -> bool:
-        """Notebook frontends (JupyterLab, VS Code, nbclient) name the cell in the request's
-        metadata and update displays in place; `jupyter console` does neither."""
-        return bool((self.get_parent().get("metadata") or {}).get("cellId"))
+        """Notebooks (JupyterLab, VS Code, nbclient) update a display in place; terminal
+        frontends (`jupyter console`) ignore update_display_data. A terminal asks whether each
+        input is complete before running it, which notebooks never do: that tells them apart."""
+        return self._client_session() not in self.terminal_sessions
 
     def _send_iopub(self, msg_type: str, content: dict[str, Any]) -> None:
         self.send_response(self.iopub_socket, msg_type, content)
@@ -176,7 +182,7 @@ class SandboxKernel(Kernel):
         for segment in split_cell(code):
             if segment.magic:
                 try:
-                    await self._interruptible(magics.run(segment.text))
+                    await self._interruptible(magics.run(await magics.expand(segment.text)))
                 except (MagicError, SessionError) as exc:
                     return self._fail("MagicError", str(exc))
                 except SandboxAPIError as exc:
@@ -310,6 +316,7 @@ class SandboxKernel(Kernel):
             return {}
 
     async def do_is_complete(self, code: str) -> dict[str, Any]:
+        self.terminal_sessions.add(self._client_session())
         from IPython.core.inputtransformer2 import TransformerManager
 
         status, indent = TransformerManager().check_complete(code)

@@ -12,8 +12,10 @@ import posixpath
 import re
 import shlex
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 from . import egress_rules
 from .api import EgressView, SandboxView
@@ -214,10 +216,48 @@ def table(rows: list[tuple[str, str]]) -> dict[str, str]:
     return {"text/plain": text, "text/html": f"<table>{body}</table>"}
 
 
+# Run in the sandbox to expand `{expr}` and `$name` in a magic line with the notebook's
+# variables, as IPython does for its own magics (var_expand); without IPython, `{name}` and
+# `$name` of plain variables. Prints the line unchanged when anything fails.
+EXPAND_CODE = """\
+def __sandbox_kernel_expand(__sandbox_kernel_line):
+    try:
+        return get_ipython().var_expand(__sandbox_kernel_line)
+    except NameError:
+        pass
+    import re
+    names = globals()
+    try:
+        line = re.sub(r"\\$(\\w+)", lambda m: str(names[m.group(1)]) if m.group(1) in names else m.group(0),
+                      __sandbox_kernel_line)
+        return line.format_map(names) if "{" in line else line
+    except Exception:
+        return __sandbox_kernel_line
+print(__sandbox_kernel_expand(%r), end="")
+del __sandbox_kernel_expand
+"""
+
+
 class SandboxMagics:
     def __init__(self, session: SandboxSession, out: CellOutput) -> None:
         self.session = session
         self.out = out
+
+    async def expand(self, line: str) -> str:
+        """The line with the notebook's variables put in (`%sandbox attach {orig}`)."""
+        if "{" not in line and "$" not in line:
+            return line
+        printed: list[str] = []
+
+        async def collect(event: dict[str, Any]) -> None:
+            if event.get("type") == "stream" and event.get("name") == "stdout":
+                printed.append(event["text"])
+
+        sandbox_id = self.session.sandbox_id
+        done = await self.session.run_cell(
+            uuid.uuid4().hex, EXPAND_CODE % line, collect, silent=True, store_history=False,
+            on_resume=lambda: self.out.progress(f"Sandbox {sandbox_id} was paused: resuming…"))
+        return "".join(printed).strip() if done.get("status") == "ok" and printed else line
 
     async def run(self, line: str) -> None:
         if line.startswith((UPLOAD, DOWNLOAD)):
