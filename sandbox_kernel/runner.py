@@ -91,6 +91,7 @@ def _import_daemon_modules() -> None:
     import builtins
     import codecs
     import getpass
+    import importlib.machinery
     import importlib.util
     import inspect
     import io
@@ -646,6 +647,10 @@ def _name_at(code: str, cursor_pos: int) -> str:
     return name
 
 
+# In the plain mode, lines in IPython's shell syntax: `!command` and `%pip ...`.
+_SHELL_LINE_PATTERN = r"^([ \t]*)(!|%pip\b)(.*)$"
+
+
 class PlainEngine:
     """Runs cells without IPython.
 
@@ -667,6 +672,7 @@ class PlainEngine:
         self.execution_count = 1  # the count the next stored cell gets
         self._cells_run = 0
         builtins.display = self.display
+        builtins._sandbox_kernel_shell = _shell  # what `!command` lines become (_shell_call)
 
     def reset_after_fork(self) -> None:
         pass
@@ -738,6 +744,7 @@ class PlainEngine:
 
     def _execute(self, code: str, filename: str) -> object:
         """Run the cell; return the value of its final expression, if any."""
+        code = re.sub(_SHELL_LINE_PATTERN, _shell_call, code, flags=re.MULTILINE)
         # dont_inherit: this file's __future__ imports must not leak into user code.
         tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
@@ -773,6 +780,42 @@ class PlainEngine:
             self._router.write("stderr", traceback.format_exc())
         finally:
             pyplot.close("all")
+
+
+def _shell_call(match) -> str:
+    """A `!command` or `%pip ...` line (IPython syntax) as a call of _shell, line numbers kept."""
+    indent, escape, rest = match.groups()
+    return "%s_sandbox_kernel_shell(%r, %r)" % (indent, rest.strip(), escape == "%pip")
+
+
+def _shell(command: str, pip: bool = False) -> None:
+    """`!command` and `%pip ...` in the plain mode: the shell runs them, their output is the
+    cell's (fds 1 and 2). pip runs from the interpreter's bundled wheel (ensurepip) when the
+    rootfs has no pip of its own."""
+    import shlex
+    import subprocess
+
+    env = None
+    if pip:
+        command = "%s -m pip %s" % (shlex.quote(sys.executable), command)
+        if not _importable("pip"):
+            wheel = _bundled_pip()
+            if wheel is None:
+                sys.stderr.write("pip is not available in this sandbox (no pip module, no ensurepip)\n")
+                return
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([wheel, os.environ.get("PYTHONPATH", "")]))
+    subprocess.run(command, shell=True, env=env)
+
+
+def _bundled_pip() -> str | None:
+    try:
+        import ensurepip
+    except ImportError:
+        return None
+    import glob
+
+    wheels = sorted(glob.glob(os.path.join(os.path.dirname(ensurepip.__file__), "_bundled", "pip-*.whl")))
+    return wheels[-1] if wheels else None
 
 
 def _describe(name: str, obj: object, detail_level: int) -> str:
@@ -924,6 +967,14 @@ def _build_ipython_shell(emit, current_count):
     return EventShell.instance(config=config)
 
 
+def _file_loaders() -> list:
+    """What the standard path finder loads from a directory (importlib's own order)."""
+    machinery = importlib.machinery
+    return [(machinery.ExtensionFileLoader, machinery.EXTENSION_SUFFIXES),
+            (machinery.SourceFileLoader, machinery.SOURCE_SUFFIXES),
+            (machinery.SourcelessFileLoader, machinery.BYTECODE_SUFFIXES)]
+
+
 def _use_workspace_packages() -> None:
     """`%pip install` and `!pip install` write to PACKAGES_PREFIX on the sandbox's own disk
     (the Python environment may be read-only, as the local engine's is), and what is there
@@ -939,12 +990,6 @@ def _use_workspace_packages() -> None:
         path = sysconfig.get_path(kind, "posix_prefix", vars=scheme)
         if path not in site_dirs:
             site_dirs.append(path)
-    try:
-        for path in site_dirs:
-            os.makedirs(path, exist_ok=True)
-    except OSError as exc:  # a read-only home: leave pip as it is
-        sys.__stderr__.write("packages: %s is not writable (%s)\n" % (prefix, exc))
-        return
     os.environ.setdefault("PIP_PREFIX", prefix)
     os.environ["PYTHONPATH"] = os.pathsep.join(site_dirs + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     os.environ["PATH"] = os.path.join(prefix, "bin") + os.pathsep + os.environ.get("PATH", "")
@@ -954,7 +999,13 @@ def _use_workspace_packages() -> None:
                       len(sys.path))
     sys.path[first_site:first_site] = [p for p in site_dirs if p not in sys.path]
     for path in site_dirs:
-        site.addsitedir(path)
+        if os.path.isdir(path):
+            site.addsitedir(path)
+        else:
+            # Not created until pip installs something (the sandbox starts empty). Python
+            # would remember a missing directory as "no finder" and never look again; a
+            # finder of its own notices when the directory appears.
+            sys.path_importer_cache[path] = importlib.machinery.FileFinder(path, *_file_loaders())
 
 
 # ----------------------------------------------------------------- daemon

@@ -1,6 +1,8 @@
 """`%pip install` and `!pip install` in a sandbox, as a new user tries them first: the package
 lands on the sandbox's own disk (the Python environment is read-only), imports at once,
-still imports after a kernel restart, and pip goes through the egress rules like any client."""
+still imports after a kernel restart, and pip goes through the egress rules like any client.
+On the python-stdlib rootfs (no IPython, no pip) the runner's plain mode runs `%pip` and
+`!command` lines itself, pip from the interpreter's bundled wheel."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def port_of(url: str) -> str:
     return url.split(":")[2].split("/")[0]
 
 
-@pytest.mark.parametrize("rootfs", ["host-python"])
+@pytest.mark.parametrize("rootfs", ["host-python", "python-stdlib"])
 def test_pip_install_from_an_allowed_index_imports_and_survives_a_restart(
         kernelspec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rootfs: str) -> None:
     monkeypatch.setenv("SANDBOX_KERNEL_ROOTFS", rootfs)
@@ -29,6 +31,11 @@ def test_pip_install_from_an_allowed_index_imports_and_survives_a_restart(
             running_kernel(kernelspec) as (km, kc):
         lockdown = execute(kc, f"%egress only 127.0.0.1:{port_of(allowed)}")
         assert f"egress: only 127.0.0.1:{port_of(allowed)}" in lockdown.text()
+
+        # the sandbox starts empty, and a failed import before the install is not remembered
+        assert execute(kc, "import os; print(os.listdir('.'))").text() == "[]\n"
+        missing = execute(kc, "import hello_sandbox")
+        assert missing.of_type("error")[0]["ename"] == "ModuleNotFoundError"
 
         install = execute(kc, f"%pip install {PIP} {allowed} {PACKAGE}")
         assert install.reply["content"]["status"] == "ok", install.outputs
@@ -39,8 +46,8 @@ def test_pip_install_from_an_allowed_index_imports_and_survives_a_restart(
         assert execute(kc, "!python3 -c 'import hello_sandbox; print(42)'").text().strip() == "42"
 
         # pip itself only says 'no matching distribution': the kernel names the refusal
-        refused = execute(kc, f"!pip install {PIP} {other} other-package")
-        assert "No matching distribution found for other-package" in refused.text()
+        refused = execute(kc, f"%pip install {PIP} {other} other-package")
+        assert "No matching distribution found for other-package" in refused.text() + refused.text("stderr")
         assert (f"sandbox-kernel: egress refused 127.0.0.1:{port_of(other)}: no rule allows"
                 in refused.text("stderr")), refused.outputs
 
