@@ -8,6 +8,7 @@ order, so `x = 1` / `%sandbox pause` pauses after x is set.
 from __future__ import annotations
 
 import argparse
+import html
 import posixpath
 import re
 import shlex
@@ -22,7 +23,7 @@ from .api import EgressView, SandboxView
 from .api.models import parse_rfc3339
 from .config import SHUTDOWN_POLICIES
 from .cost import Cost
-from .output import CellOutput, escape_html
+from .output import CellOutput, html_without_math
 from .session import SandboxSession
 from .transfer import CHUNK, MAX_FILE, WORKSPACE, Transfer, TransferError, describe_size, host_path, sandbox_path
 
@@ -211,9 +212,9 @@ def table(rows: list[tuple[str, str]]) -> dict[str, str]:
     """A mime bundle: an HTML table for notebooks, aligned text for everything else."""
     width = max(len(k) for k, _ in rows)
     text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-    body = "".join(f"<tr><th style='text-align:left'>{escape_html(k)}</th><td>{escape_html(v)}</td></tr>"
+    body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
                    for k, v in rows)
-    return {"text/plain": text, "text/html": f"<table>{body}</table>"}
+    return {"text/plain": text, "text/html": html_without_math(f"<table>{body}</table>")}
 
 
 # Run in the sandbox to expand `{expr}` and `$name` in a magic line with the notebook's

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 import json
 import re
 import uuid
@@ -16,10 +15,11 @@ KERNEL_METADATA = {"sandbox_kernel": {"status": True}}
 Send = Callable[[str, dict[str, Any]], None]
 
 
-def escape_html(text: str) -> str:
-    """Text for the HTML the kernel emits. `$` too: JupyterLab renders `$…$` in HTML output
-    as LaTeX math, which would turn a prices row into formulas."""
-    return html.escape(text).replace("$", "&#36;")
+def html_without_math(body: str) -> str:
+    """HTML the kernel emits, marked so that JupyterLab does not typeset `$…$` in it as LaTeX
+    (its MathJax skips these classes, as for pandas tables). Escaping `$` as `&#36;` would
+    not do: the typesetter reads the decoded text."""
+    return f'<div class="tex2jax_ignore mathjax_ignore">{body}</div>'
 
 
 # A waiting progress line's tick, e.g. "(pausing, 3 s)" (session._settle): worth showing only

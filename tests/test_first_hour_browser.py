@@ -1,6 +1,6 @@
 """JupyterLab in a real browser: the kernel's HTML (the `%sandbox cost` table) shows its
-prices as text; JupyterLab would typeset `$…$` in HTML output as LaTeX math. A screenshot
-is kept in test-artifacts/jupyterlab-cost.png."""
+prices as text; JupyterLab would typeset `$…$` in HTML output as LaTeX math (even written
+`&#36;`: it reads the decoded text). A screenshot is kept in test-artifacts/jupyterlab-cost.png."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_sandbox_cost_shows_dollars_not_math(kernelspec: str, tmp_path: Path) ->
         "kernelspec": {"name": kernelspec, "display_name": "Python (sandbox)", "language": "python"}})
     root = tmp_path / "notebooks"
     root.mkdir()
-    nbformat.write(notebook, root / "cost.ipynb")
+    nbformat.write(notebook, root / "demo.ipynb")  # the name jupyterlab() opens
 
     with jupyterlab(root, tmp_path) as url, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=browser_path)
