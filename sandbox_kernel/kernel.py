@@ -182,7 +182,7 @@ class SandboxKernel(Kernel):
         for segment in split_cell(code):
             if segment.magic:
                 try:
-                    await self._interruptible(magics.run(await magics.expand(segment.text)))
+                    await self._interruptible(magics.run(segment.text))
                 except (MagicError, SessionError) as exc:
                     return self._fail("MagicError", str(exc))
                 except SandboxAPIError as exc:

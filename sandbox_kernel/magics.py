@@ -261,6 +261,7 @@ class SandboxMagics:
         return "".join(printed).strip() if done.get("status") == "ok" and printed else line
 
     async def run(self, line: str) -> None:
+        line = await self.expand(line)
         if line.startswith((UPLOAD, DOWNLOAD)):
             await self.transfer(line)
             return
