@@ -171,6 +171,8 @@ class Transfer:
         if "file" in listing:
             check_size(listing["file"], remote)
             self.tally.total, self.tally.count = listing["file"], 1
+            if local.is_dir():  # as cp does: into the directory
+                local = local / posixpath.basename(remote)
             await self._download_file(remote, listing["file"], local)
         else:
             entries = listing["dir"]

@@ -57,6 +57,8 @@ def test_upload_and_download_files_and_directories(kernelspec: str, tmp_path: Pa
 
         one = execute(kc, "%download results/r.txt")
         assert (notebook_dir / "r.txt").read_text() == "42", one.outputs
+        into = execute(kc, "%download results/r.txt out/plots")  # an existing directory: into it
+        assert (notebook_dir / "out" / "plots" / "r.txt").read_text() == "42", into.outputs
 
         # mistakes: one line, and the kernel carries on
         missing = execute(kc, "%download nothing-here.txt")
