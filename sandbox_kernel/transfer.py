@@ -14,6 +14,7 @@ is not trusted: every name must stay inside the target directory on the host.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -22,18 +23,20 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-from .api import SandboxClient
+from .api import SandboxAPIError, SandboxClient
 
 WORKSPACE = "/workspace"
 CHUNK = 8 * 2**20
 MAX_FILE = 2 * 2**30
 STAGING = "/tmp/.sandbox-kernel-transfer"
+MAX_ENTRIES = 100_000  # files and directories in one directory download (bounds the listing)
 # Lists a directory in the sandbox as JSON [[relative path, size or -1 for a directory], ...];
 # symlinks are listed as files only when they point at a regular file (and are read as such).
 LIST_SCRIPT = """\
 import json, os, sys
-root = sys.argv[1]
+root, most = sys.argv[1], int(sys.argv[2])
 if os.path.isfile(root):
     print(json.dumps({"file": os.path.getsize(root)}))
     sys.exit()
@@ -49,6 +52,9 @@ for here, dirs, files in os.walk(root):
         path = os.path.join(here, name)
         if os.path.isfile(path):
             entries.append([os.path.normpath(os.path.join(rel, name)), os.path.getsize(path)])
+    if len(entries) > most:
+        print(json.dumps({"too_many": most}))
+        sys.exit()
 print(json.dumps({"dir": entries}))
 """
 
@@ -115,14 +121,18 @@ class Transfer:
         files = f", {tally.files} of {tally.count} files" if tally.count > 1 else ""
         self.report(f"{describe_size(tally.done)} of {describe_size(tally.total)}{files}")
 
+    async def _clean_up(self, *paths: str) -> None:
+        """Remove staging files; after a failure this may fail too, and must not hide it."""
+        with contextlib.suppress(SandboxAPIError, TransferError):
+            await self._exec('rm -f -- "$@"', *paths)
+
     # -- upload ---------------------------------------------------------------------------
 
     async def upload(self, local: Path, remote: str) -> str:
         if local.is_dir():
-            files = [path for path in sorted(local.rglob("*")) if path.is_file()]
-            dirs = [remote] + [posixpath.join(remote, p.relative_to(local).as_posix())
-                               for p in sorted(local.rglob("*")) if p.is_dir()]
-            targets = [(path, posixpath.join(remote, path.relative_to(local).as_posix())) for path in files]
+            below = sorted(local.rglob("*"))
+            dirs = [remote] + [posixpath.join(remote, p.relative_to(local).as_posix()) for p in below if p.is_dir()]
+            targets = [(p, posixpath.join(remote, p.relative_to(local).as_posix())) for p in below if p.is_file()]
         elif local.is_file():
             dirs = [posixpath.dirname(remote)]
             targets = [(local, remote)]
@@ -148,7 +158,7 @@ class Transfer:
         self.tally.files += 1
         self._progress()
 
-    async def _upload_in_pieces(self, source, remote: str) -> None:  # type: ignore[no-untyped-def]
+    async def _upload_in_pieces(self, source: BinaryIO, remote: str) -> None:
         piece = f"{STAGING}/{uuid.uuid4().hex}"
         partial = f"{remote}.partial-{uuid.uuid4().hex[:8]}"
         await self._exec(f"mkdir -p {STAGING} && : > \"$1\"", partial)
@@ -160,14 +170,18 @@ class Transfer:
                 self._progress()
             await self._exec('mv -f "$1" "$2"', partial, remote)
         finally:
-            await self._exec('rm -f "$1" "$2"', piece, partial)
+            await self._clean_up(piece, partial)
 
     # -- download -------------------------------------------------------------------------
 
     async def download(self, remote: str, local: Path) -> str:
-        listing = json.loads(await self._exec('exec python3 -c "$1" "$2"', LIST_SCRIPT, remote))
+        listing = json.loads(await self._exec('exec python3 -c "$1" "$2" "$3"', LIST_SCRIPT, remote,
+                                              str(MAX_ENTRIES)))
         if listing.get("missing"):
             raise TransferError(f"{remote}: no such file or directory in the sandbox")
+        if listing.get("too_many"):
+            raise TransferError(f"{remote} holds more than {MAX_ENTRIES} files and directories: "
+                                "pack it into an archive in the sandbox first")
         if "file" in listing:
             check_size(listing["file"], remote)
             self.tally.total, self.tally.count = listing["file"], 1
@@ -208,7 +222,7 @@ class Transfer:
         self.tally.files += 1
         self._progress()
 
-    async def _download_in_pieces(self, remote: str, size: int, sink) -> None:  # type: ignore[no-untyped-def]
+    async def _download_in_pieces(self, remote: str, size: int, sink: BinaryIO) -> None:
         piece = f"{STAGING}/{uuid.uuid4().hex}"
         await self._exec(f"mkdir -p {STAGING}")
         try:
@@ -220,7 +234,7 @@ class Transfer:
                 self.tally.done += len(data)
                 self._progress()
         finally:
-            await self._exec('rm -f "$1"', piece)
+            await self._clean_up(piece)
 
 
 def check_size(size: int, name: str) -> None:
