@@ -27,8 +27,8 @@ from .paths import state_dir
 
 DEFAULT_BASE_URL = "https://api.sb.createos.sh"
 DEFAULT_SHAPE = "s-1vcpu-1gb"
-# CreateOS shape ids: s-<vCPUs>vcpu-<memory>mb|gb (which ones exist is the provider's answer).
-SHAPE_ID = re.compile(r"s-\d+vcpu-\d+(mb|gb)")
+# CreateOS shape ids: s-<vCPUs>vcpu-<memory>mb|gb|tb (which ones exist is the provider's answer).
+SHAPE_ID = re.compile(r"s-\d+vcpu-\d+(mb|gb|tb)")
 # A sandbox the kernel creates pauses itself after this long with no exec: a crashed or
 # forgotten kernel stops using (and on CreateOS, paying for) vCPU. The next cell resumes it.
 DEFAULT_AUTO_PAUSE = 1800

@@ -991,7 +991,8 @@ def _use_workspace_packages() -> None:
         if path not in site_dirs:
             site_dirs.append(path)
     os.environ.setdefault("PIP_PREFIX", prefix)
-    os.environ["PYTHONPATH"] = os.pathsep.join(site_dirs + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(site_dirs + inherited)
     os.environ["PATH"] = os.path.join(prefix, "bin") + os.pathsep + os.environ.get("PATH", "")
     # Ahead of the environment's own site-packages, so an installed version wins; .pth
     # files in them are processed as in any site dir.
