@@ -218,24 +218,12 @@ def table(rows: list[tuple[str, str]]) -> dict[str, str]:
 
 
 # Run in the sandbox to expand `{expr}` and `$name` in a magic line with the notebook's
-# variables, as IPython does for its own magics (var_expand); without IPython, `{name}` and
-# `$name` of plain variables. Prints the line unchanged when anything fails.
+# variables: IPython's var_expand, as for its own magics, or the plain runner's equivalent.
 EXPAND_CODE = """\
-def __sandbox_kernel_expand(__sandbox_kernel_line):
-    try:
-        return get_ipython().var_expand(__sandbox_kernel_line)
-    except NameError:
-        pass
-    import re
-    names = globals()
-    try:
-        line = re.sub(r"\\$(\\w+)", lambda m: str(names[m.group(1)]) if m.group(1) in names else m.group(0),
-                      __sandbox_kernel_line)
-        return line.format_map(names) if "{" in line else line
-    except Exception:
-        return __sandbox_kernel_line
-print(__sandbox_kernel_expand(%r), end="")
-del __sandbox_kernel_expand
+try:
+    print(get_ipython().var_expand(%(line)r), end="")
+except NameError:
+    print(_sandbox_kernel_expand(%(line)r, globals()), end="")
 """
 
 
@@ -256,7 +244,7 @@ class SandboxMagics:
 
         sandbox_id = self.session.sandbox_id
         done = await self.session.run_cell(
-            uuid.uuid4().hex, EXPAND_CODE % line, collect, silent=True, store_history=False,
+            uuid.uuid4().hex, EXPAND_CODE % {"line": line}, collect, silent=True, store_history=False,
             on_resume=lambda: self.out.progress(f"Sandbox {sandbox_id} was paused: resuming…"))
         return "".join(printed).strip() if done.get("status") == "ok" and printed else line
 

@@ -673,6 +673,7 @@ class PlainEngine:
         self._cells_run = 0
         builtins.display = self.display
         builtins._sandbox_kernel_shell = _shell  # what `!command` lines become (_shell_call)
+        builtins._sandbox_kernel_expand = _expand  # what the kernel's magics call for `{expr}`
 
     def reset_after_fork(self) -> None:
         pass
@@ -785,16 +786,27 @@ class PlainEngine:
 def _shell_call(match) -> str:
     """A `!command` or `%pip ...` line (IPython syntax) as a call of _shell, line numbers kept."""
     indent, escape, rest = match.groups()
-    return "%s_sandbox_kernel_shell(%r, %r)" % (indent, rest.strip(), escape == "%pip")
+    return "%s_sandbox_kernel_shell(%r, %r, globals())" % (indent, rest.strip(), escape == "%pip")
 
 
-def _shell(command: str, pip: bool = False) -> None:
+def _expand(line: str, names: dict) -> str:
+    """`$name` and `{expr}` in a shell or magic line, evaluated in the user's names (IPython's
+    var_expand, for the plain mode); as there, the line as it was when one fails."""
+    try:
+        named = re.sub(r"\$(\w+)", lambda m: str(names[m.group(1)]) if m.group(1) in names else m.group(0), line)
+        return re.sub(r"\{([^{}]+)\}", lambda m: str(eval(m.group(1), names)), named)
+    except Exception:
+        return line
+
+
+def _shell(command: str, pip: bool, names: dict) -> None:
     """`!command` and `%pip ...` in the plain mode: the shell runs them, their output is the
     cell's (fds 1 and 2). pip runs from the interpreter's bundled wheel (ensurepip) when the
     rootfs has no pip of its own."""
     import shlex
     import subprocess
 
+    command = _expand(command, names)
     env = None
     if pip:
         command = "%s -m pip %s" % (shlex.quote(sys.executable), command)

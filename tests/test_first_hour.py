@@ -175,3 +175,18 @@ def test_run_sums_up(kernelspec: str, tmp_path: Path) -> None:
     nbformat.write(nb, path)
     fine = cli("run", str(path), "--kernel", kernelspec)
     assert fine.returncode == 0 and fine.stdout.strip().endswith(", no errors"), fine.stdout
+
+
+def test_shell_lines_and_expansion_without_ipython(kernelspec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The python-stdlib rootfs has no IPython: the runner's plain mode runs `!command` lines
+    and fills in `$name` / `{expr}` there too."""
+    monkeypatch.setenv("SANDBOX_KERNEL_ROOTFS", "python-stdlib")
+    with running_kernel(kernelspec) as (_, kc):
+        assert execute(kc, "import IPython").of_type("error")[0]["ename"] == "ModuleNotFoundError"
+        me = execute(kc, "import os; word = 'hello'; me = os.environ['SANDBOX_ID']; print(me)").text().strip()
+        shell = execute(kc, "if True:\n    !echo $word {word.upper()} {len(word)}")
+        assert shell.text() == "hello HELLO 5\n", [m["content"] for m in shell.outputs]
+        # as in IPython: what does not evaluate leaves the whole line as it was
+        assert execute(kc, "!echo {word} '{no such name}'").text() == "{word} {no such name}\n"
+        said = execute(kc, "%sandbox attach {me}").text("stderr")
+        assert said == f"sandbox-kernel: %sandbox attach: this notebook already drives {me}\n", said
