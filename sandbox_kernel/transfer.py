@@ -175,7 +175,8 @@ class Transfer:
     # -- download -------------------------------------------------------------------------
 
     async def download(self, remote: str, local: Path) -> str:
-        listing = json.loads(await self._exec('exec python3 -c "$1" "$2" "$3"', LIST_SCRIPT, remote,
+        # -I: not the working directory's modules (a json.py the sandbox wrote) nor PYTHON* settings
+        listing = json.loads(await self._exec('exec python3 -I -c "$1" "$2" "$3"', LIST_SCRIPT, remote,
                                               str(MAX_ENTRIES)))
         if listing.get("missing"):
             raise TransferError(f"{remote}: no such file or directory in the sandbox")

@@ -14,6 +14,8 @@ from sandbox_kernel.transfer import CHUNK, TransferError, inside
 
 pytestmark = pytest.mark.slow
 
+FAKE_JSON = "def dumps(*args, **kwargs):\n    return '{\"dir\": [[\"../escaped.txt\", 1]]}'\n"
+
 
 def lines_of(result) -> list[str]:  # type: ignore[no-untyped-def]
     return [m["content"]["data"]["text/plain"] for m in result.messages
@@ -46,12 +48,17 @@ def test_upload_and_download_files_and_directories(kernelspec: str, tmp_path: Pa
 
         execute(kc, "import os, shutil\nos.makedirs('results/plots')\nopen('results/r.txt', 'w').write('42')\n"
                     "open('results/plots/p.svg', 'w').write('<svg/>')\nshutil.copy('in/big.bin', 'results/big.bin')")
+        # a json.py in the working directory that fakes a listing leaving the target: a plain
+        # `python3 -c` there would use it (shown), the listing's isolated Python does not
+        execute(kc, f"open('/workspace/json.py', 'w').write({FAKE_JSON!r})")
+        assert "escaped" in execute(kc, "!python3 -c 'import json; print(json.dumps(1))'").text()
         down = execute(kc, "%download results out")
         assert down.reply["content"]["status"] == "ok", down.outputs
         assert lines_of(down)[-1].startswith("Downloaded 3 files, 16.0 MiB in ")
         assert (notebook_dir / "out" / "r.txt").read_text() == "42"
         assert (notebook_dir / "out" / "plots" / "p.svg").read_text() == "<svg/>"
         assert (notebook_dir / "out" / "big.bin").read_bytes() == big
+        assert not (notebook_dir / "escaped.txt").exists()
         assert not list(notebook_dir.rglob(".*partial*"))  # no leftovers on either side
         assert execute(kc, "import glob; print(glob.glob('/tmp/.sandbox-kernel-transfer/*'))").text() == "[]\n"
 
