@@ -40,6 +40,12 @@ def cmd_install(args: argparse.Namespace) -> int:
     # Refuse bad values now, naming the flag (the key is the kernel's business, later).
     Settings.from_env({"CREATEOS_SANDBOX_API_KEY": "checked-later"}, kernel_args=options,
                       argument_name=lambda name: "--" + name.replace("_", "-"))
+    if args.shape and args.provider != "createos":  # CreateOS may know shapes we do not
+        from .local.engine import SHAPES
+
+        if args.shape not in (known := [shape.id for shape in SHAPES]):
+            raise ConfigError(f"--shape: no shape {args.shape!r} (known: {', '.join(known)}; "
+                              "--provider createos takes any)")
     env = {ENV_VARS[name]: value for name, value in options.items() if value}
     name = args.name or ("sandbox-createos" if args.provider == "createos" else "sandbox")
     display = "Python (CreateOS sandbox)" if args.provider == "createos" else "Python (sandbox)"
@@ -118,7 +124,7 @@ async def _collect(settings: Settings, dry_run: bool) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from .headless import run_notebook
 
-    return run_notebook(args.notebook, args.kernel, args.output, args.timeout)
+    return run_notebook(args.notebook, args.kernel, args.output, args.timeout, args.allow_errors)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -154,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kernel", default="sandbox", help="kernelspec name (default: sandbox)")
     run.add_argument("--output", type=Path, help="also save the executed notebook here")
     run.add_argument("--timeout", type=float, default=600, help="seconds per cell (default: 600)")
+    run.add_argument("--allow-errors", action="store_true",
+                     help="run every cell even after one fails (the exit status is still 1)")
     run.set_defaults(run=cmd_run)
 
     serve = sub.add_parser("serve", help="run the local engine (CreateOS-compatible API)")

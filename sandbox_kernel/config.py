@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from .paths import state_dir
 
 DEFAULT_BASE_URL = "https://api.sb.createos.sh"
 DEFAULT_SHAPE = "s-1vcpu-1gb"
+# CreateOS shape ids: s-<vCPUs>vcpu-<memory>mb|gb|tb (which ones exist is the provider's answer).
+SHAPE_ID = re.compile(r"s-\d+vcpu-\d+(mb|gb|tb)")
 # A sandbox the kernel creates pauses itself after this long with no exec: a crashed or
 # forgotten kernel stops using (and on CreateOS, paying for) vCPU. The next cell resumes it.
 DEFAULT_AUTO_PAUSE = 1800
@@ -86,7 +89,7 @@ class Settings:
         except names.SandboxNameError as exc:
             raise ConfigError(f"{options.source('sandbox_name')}: {exc}") from None
         return cls(provider=provider, api_key=api_key, name=name,
-                   shape=options.text("shape") or DEFAULT_SHAPE,
+                   shape=options.shape(),
                    rootfs=options.text("rootfs"),
                    base_url=options.text("base_url") or DEFAULT_BASE_URL,
                    engine_transport=options.choice("engine_transport", ("unix", "tcp"), "unix"),
@@ -177,6 +180,13 @@ class _Options:
         value = self.text(name) or default
         if value not in allowed:
             raise ConfigError(f"{self.source(name)} must be {' or '.join(map(repr, allowed))}, not {value!r}")
+        return value
+
+    def shape(self) -> str:
+        value = self.text("shape") or DEFAULT_SHAPE
+        if not SHAPE_ID.fullmatch(value):
+            raise ConfigError(f"{self.source('shape')} must be a shape id like {DEFAULT_SHAPE} "
+                              f"or s-2vcpu-4gb, not {value!r}")
         return value
 
     def egress(self) -> list[str] | None:

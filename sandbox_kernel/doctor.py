@@ -101,6 +101,23 @@ def limits_line(shape_id: str) -> str:
     return f"✓ limits ({shape.id}): {described}"
 
 
+def probe_createos(settings: Settings) -> tuple[bool, str]:
+    """Ask the configured server for this key's sandboxes: that needs the URL and the key."""
+    import asyncio
+
+    from .api import SandboxAPIError, SandboxClient
+
+    async def list_sandboxes() -> int:
+        async with SandboxClient(settings.base_url, settings.api_key, timeout=10, max_retries=0) as client:
+            return len(await client.list_sandboxes())
+
+    try:
+        count = asyncio.run(list_sandboxes())
+    except SandboxAPIError as exc:
+        return False, f"  ✗ {settings.base_url}: {exc.user_message()}"
+    return True, f"  ✓ {settings.base_url}: reachable, the key is accepted ({count} sandbox(es))"
+
+
 def report() -> tuple[bool, list[str]]:
     lines = [f"sandbox-kernel doctor — {platform.system()} {platform.release()}, "
              f"Python {platform.python_version()} ({sys.executable})"]
@@ -111,6 +128,10 @@ def report() -> tuple[bool, list[str]]:
         shape = settings.shape
         key = "set" if settings.api_key else "not set"
         lines.append(f"provider: {settings.description} (CREATEOS_SANDBOX_API_KEY {key})")
+        if settings.provider == "createos":
+            reached, line = probe_createos(settings)
+            ok = ok and reached
+            lines.append(line)
     except ConfigError as exc:
         ok = False
         lines.append(f"provider: misconfigured: {exc}")

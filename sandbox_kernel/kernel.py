@@ -28,7 +28,7 @@ from . import __version__, ownership
 from .api import SandboxAPIError
 from .config import ConfigError, Settings
 from .history import open_history
-from .magics import MagicError, SandboxMagics, split_cell
+from .magics import PIP_COMMAND, MagicError, SandboxMagics, split_cell
 from .output import CellOutput, OutputGuard
 from .shutdown_policy import farewell
 from .paths import state_dir, write_private
@@ -95,6 +95,8 @@ class SandboxKernel(Kernel):
         # the service carries on; only the cell stops waiting.
         self.interruptible: asyncio.Future[Any] | None = None
         self.wait_interrupted = False
+        # Client sessions that asked is_complete: terminals (see _frontend_updates_in_place).
+        self.terminal_sessions: set[str] = set()
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -125,9 +127,15 @@ class SandboxKernel(Kernel):
         assert self.boot is not None
         if self.boot.done() and self.boot.exception() is not None:
             self.boot = asyncio.get_running_loop().create_task(self._boot())
+        if self.settings is None:
+            await self.boot  # a configuration error: its line says it all
         if not self.boot.done():
             line = out.progress(f"Starting a sandbox on {self._provider()}…")
-            await asyncio.shield(self.boot)
+            try:
+                await asyncio.shield(self.boot)
+            except Exception:
+                line.update(f"Starting a sandbox on {self._provider()}… failed")  # the next line says why
+                raise
             line.update(self._ready_line())
             self.status_shown = True
         await self.boot  # raises the start-up error, if any
@@ -148,6 +156,15 @@ class SandboxKernel(Kernel):
         return (f"Sandbox {self.sandbox.sandbox_id} ready on {self._provider()}{why}{took} "
                 f"(Python {python}) · %sandbox --help")
 
+    def _client_session(self) -> str:
+        return self.get_parent().get("header", {}).get("session", "")
+
+    def _frontend_updates_in_place(self) -> bool:
+        """Notebooks (JupyterLab, VS Code, nbclient) update a display in place; terminal
+        frontends (`jupyter console`) ignore update_display_data. A terminal asks whether each
+        input is complete before running it, which notebooks never do: that tells them apart."""
+        return self._client_session() not in self.terminal_sessions
+
     def _send_iopub(self, msg_type: str, content: dict[str, Any]) -> None:
         self.send_response(self.iopub_socket, msg_type, content)
 
@@ -161,7 +178,7 @@ class SandboxKernel(Kernel):
         if store_history and not silent and self.history:
             self.history.record(self.execution_count, code)
         self._allow_stdin = allow_stdin  # raw_input()/getpass() check it, as under ipykernel
-        out = CellOutput(self._send_iopub)
+        out = CellOutput(self._send_iopub, in_place=self._frontend_updates_in_place())
         try:
             session = await self._interruptible(self._ensure_session(out))
         except SessionError as exc:
@@ -184,7 +201,11 @@ class SandboxKernel(Kernel):
                                       "service carries on; `%sandbox status` and `%sandbox list` show "
                                       "where it got to")
                 continue
+            watch = PIP_COMMAND.search(segment.text) is not None
+            refused_before = await self._best_effort(magics.refusals_so_far()) if watch else None
             reply = await self._run_code(session, segment.text, silent, store_history, out)
+            if refused_before is not None:
+                await self._best_effort(magics.show_refusals_since(refused_before))
             if reply["status"] != "ok":
                 return reply
             payload += reply["payload"]
@@ -214,6 +235,15 @@ class SandboxKernel(Kernel):
             return self._ok([{"source": "ask_exit", "keepkernel": False}] if translate.asked_exit else [])
         error = translate.last_error or {"ename": "Error", "evalue": "", "traceback": []}
         return {"status": "error", "execution_count": self.execution_count, **error}
+
+    @staticmethod
+    async def _best_effort(work: Coroutine[Any, Any, T]) -> T | None:
+        """An extra the cell can do without (naming egress refusals): failures are logged."""
+        try:
+            return await work
+        except (SandboxAPIError, SessionError) as exc:
+            log.warning("skipped: %s", exc)
+            return None
 
     def _ok(self, payload: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {"status": "ok", "execution_count": self.execution_count,
@@ -295,6 +325,7 @@ class SandboxKernel(Kernel):
             return {}
 
     async def do_is_complete(self, code: str) -> dict[str, Any]:
+        self.terminal_sessions.add(self._client_session())
         from IPython.core.inputtransformer2 import TransformerManager
 
         status, indent = TransformerManager().check_complete(code)

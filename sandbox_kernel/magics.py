@@ -9,23 +9,34 @@ from __future__ import annotations
 
 import argparse
 import html
+import posixpath
+import re
+import shlex
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 from . import egress_rules, names, ownership
 from .api import EgressView, SandboxView
 from .api.models import parse_rfc3339
 from .config import SHUTDOWN_POLICIES
 from .cost import Cost
-from .output import CellOutput
+from .output import CellOutput, html_without_math
 from .session import SandboxSession
+from .transfer import CHUNK, MAX_FILE, WORKSPACE, Transfer, TransferError, describe_size, host_path, sandbox_path
 
 MAGIC = "%sandbox"
 EGRESS = "%egress"
+UPLOAD = "%upload"
+DOWNLOAD = "%download"
 # CreateOS has no deny-all token (an empty list allows all): one rule that matches nothing
 # useful, a port on a documentation-only address (RFC 5737), stands for "block all".
 BLOCK_ALL = egress_rules.DENY_ALL
+SHOWN_REFUSALS = 3  # egress refusals named after a pip command, at most
+# A cell that runs pip: afterwards the kernel names the egress refusals it caused.
+PIP_COMMAND = re.compile(r"(^|[\s!%;(])pip3?\s|-m\s+pip\b", re.MULTILINE)
 HELP = """\
 %sandbox — manage this notebook's sandbox (handled by the kernel, not run in the sandbox)
 
@@ -52,6 +63,9 @@ HELP = """\
                                   what closing this notebook does to its sandboxes (the ones
                                   it created or forked and did not keep)
   %sandbox help                   this text; %sandbox COMMAND --help: that command only
+
+  %upload LOCAL [REMOTE], %download REMOTE [LOCAL]: copy files in and out (%upload help)
+  %egress: the sandbox's outbound network allowlist (%egress help)
 """
 EGRESS_HELP = """\
 %egress — the sandbox's outbound network allowlist (enforced outside the sandbox)
@@ -68,6 +82,18 @@ EGRESS_HELP = """\
 A RULE is host, host:port, *.domain (subdomains), an IPv4/IPv6 address or a CIDR, e.g.
 example.com  api.example.com:443  *.example.org  127.0.0.1:8000  10.0.0.0/8
 Changes apply to the next connection; an empty list means every public destination.
+"""
+
+
+TRANSFER_HELP = f"""\
+%upload, %download — copy files between this machine and the sandbox (files API)
+
+  %upload LOCAL [REMOTE]          a file or a directory from this machine into the sandbox
+  %download REMOTE [LOCAL]        a file or a directory from the sandbox to this machine
+
+A relative LOCAL is in the notebook's directory, a relative REMOTE under {WORKSPACE}; REMOTE
+defaults to {WORKSPACE}/<name>, LOCAL to ./<name>. Existing files are overwritten. Files up
+to {describe_size(MAX_FILE)} each; large ones move in {describe_size(CHUNK)} pieces, with a progress line.
 """
 
 
@@ -97,7 +123,7 @@ def split_cell(code: str) -> list[Segment]:
 
 def is_magic_line(line: str) -> bool:
     return any(line.startswith(name) and line[len(name):len(name) + 1] in ("", " ", "\t", "\n", "\r")
-               for name in (MAGIC, EGRESS))
+               for name in (MAGIC, EGRESS, UPLOAD, DOWNLOAD))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -197,7 +223,17 @@ def table(rows: list[tuple[str, str]]) -> dict[str, str]:
     text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
     body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
                    for k, v in rows)
-    return {"text/plain": text, "text/html": f"<table>{body}</table>"}
+    return {"text/plain": text, "text/html": html_without_math(f"<table>{body}</table>")}
+
+
+# Run in the sandbox to expand `{expr}` and `$name` in a magic line with the notebook's
+# variables: IPython's var_expand, as for its own magics, or the plain runner's equivalent.
+EXPAND_CODE = """\
+try:
+    print(get_ipython().var_expand(%(line)r), end="")
+except NameError:
+    print(_sandbox_kernel_expand(%(line)r, globals()), end="")
+"""
 
 
 class SandboxMagics:
@@ -205,7 +241,27 @@ class SandboxMagics:
         self.session = session
         self.out = out
 
+    async def expand(self, line: str) -> str:
+        """The line with the notebook's variables put in (`%sandbox attach {orig}`)."""
+        if "{" not in line and "$" not in line:
+            return line
+        printed: list[str] = []
+
+        async def collect(event: dict[str, Any]) -> None:
+            if event.get("type") == "stream" and event.get("name") == "stdout":
+                printed.append(event["text"])
+
+        sandbox_id = self.session.sandbox_id
+        done = await self.session.run_cell(
+            uuid.uuid4().hex, EXPAND_CODE % {"line": line}, collect, silent=True, store_history=False,
+            on_resume=lambda: self.out.progress(f"Sandbox {sandbox_id} was paused: resuming…"))
+        return "".join(printed).strip() if done.get("status") == "ok" and printed else line
+
     async def run(self, line: str) -> None:
+        line = await self.expand(line)
+        if line.startswith((UPLOAD, DOWNLOAD)):
+            await self.transfer(line)
+            return
         egress = line.startswith(EGRESS)
         prog, text = (EGRESS, EGRESS_HELP) if egress else (MAGIC, HELP)
         words = line[len(prog):].split()
@@ -273,9 +329,17 @@ class SandboxMagics:
         started = time.monotonic()
         parent = self.session.sandbox_id
         line = self.out.progress(f"Forking sandbox {parent}…")
-        child = await self.session.fork(args.name, progress=line, on_pause=self.out.progress)
+        paused_first = ""
+
+        def pausing_first(text: str) -> None:  # on the fork's own line, so the result stays last
+            nonlocal paused_first
+            paused_first = f"; {parent} was paused first"
+            line.headline = text
+            line.update(text)
+
+        child = await self.session.fork(args.name, progress=line, on_pause=pausing_first)
         label = f" ({args.name})" if args.name else ""
-        line.update(f"Forked {parent} into {child.id}{label} in {time.monotonic() - started:.1f} s")
+        line.update(f"Forked {parent} into {child.id}{label} in {time.monotonic() - started:.1f} s{paused_first}")
         ref = args.name or child.id
         if args.switch:
             await self.session.attach(child.id, progress=line)
@@ -320,6 +384,46 @@ class SandboxMagics:
                  f"its sandboxes {', '.join(owned)}" if owned else "no sandbox (it owns none)")
         self.out.text(f"When this notebook shuts down, {which} will be {outcome}\n")
 
+    # -- %upload, %download ---------------------------------------------------------------
+
+    async def transfer(self, line: str) -> None:
+        upload = line.startswith(UPLOAD)
+        prog = UPLOAD if upload else DOWNLOAD
+        try:
+            words = shlex.split(line[len(prog):])
+        except ValueError as exc:
+            raise MagicError(f"{prog}: {exc}") from None
+        if not words or words[0] in ("help", "-h", "--help"):
+            self.out.text(TRANSFER_HELP)
+            return
+        if len(words) > 2 or words[0].startswith("-"):
+            raise MagicError(f"{prog}: expected {'LOCAL [REMOTE]' if upload else 'REMOTE [LOCAL]'} "
+                             f"(see {prog} help)")
+        source, target = words[0], words[1] if len(words) == 2 else None
+        name = posixpath.basename(source.rstrip("/")) or source
+        await self._running()
+        line_out = self.out.progress(f"{'Uploading' if upload else 'Downloading'} {source}…")
+        assert self.session.client is not None and self.session.sandbox_id is not None  # started
+        work = Transfer(self.session.client, self.session.sandbox_id, line_out)
+        try:
+            if upload:
+                done = await work.upload(host_path(source), sandbox_path(target or name))
+            else:
+                done = await work.download(sandbox_path(source), host_path(target or name))
+        except TransferError as exc:
+            line_out.update(f"{prog} {source}: failed")
+            raise MagicError(f"{prog}: {exc}") from None
+        except OSError as exc:  # this machine's side: permissions, a full disk...
+            line_out.update(f"{prog} {source}: failed")
+            raise MagicError(f"{prog}: {exc.strerror or exc}: {exc.filename or source}") from None
+        line_out.update(done)
+
+    async def _running(self) -> None:
+        """The files API wants a running sandbox: resume a paused one, saying so."""
+        view = await self.session.view()
+        if view.status.value in ("paused", "pausing"):
+            await self._transition("Resuming", self.session.resume, "running again")
+
     # -- %egress ------------------------------------------------------------------------
 
     async def egress_help(self, _: argparse.Namespace) -> None:
@@ -363,6 +467,23 @@ class SandboxMagics:
                       "(the host, private and link-local addresses still need a rule)\n", name="stderr")
         await self._set_rules([])
 
+    async def refusals_so_far(self) -> int | None:
+        """How many connections the egress rules refused so far (None where the provider does
+        not say: CreateOS)."""
+        return (await self.session.get_egress()).denied_count
+
+    async def show_refusals_since(self, before: int | None) -> None:
+        """Name the refusals since `before`: pip, for one, hides a refused index behind 'no
+        matching distribution'."""
+        if before is None:
+            return
+        view = await self.session.get_egress()
+        new = (view.denied_count or 0) - before
+        for denial in (view.denied or [])[-min(new, SHOWN_REFUSALS):] if new > 0 else []:
+            where = f"{denial.host}:{denial.port}"
+            self.out.text(f"sandbox-kernel: egress refused {where}: {denial.reason} "
+                          f"(%egress allow {where} permits it)\n", name="stderr")
+
     async def _set_rules(self, rules: list[str]) -> None:
         view: EgressView = await self.session.set_egress(rules)
         self.out.text(f"egress: {describe_rules(view.egress or [])}\n")
@@ -371,9 +492,22 @@ class SandboxMagics:
 def checked(rules: list[str]) -> list[str]:
     """Validated before any request, with a one-line reason naming the bad rule."""
     try:
-        return egress_rules.validate(rules)
+        normalized = egress_rules.validate(rules)
     except egress_rules.EgressRuleError as exc:
         raise MagicError(f"%egress: {exc}") from None
+    # CreateOS accepts a bare word as a host rule, but typed in a magic it is almost always
+    # prose (`%egress allow not a rule`): a single-label name must come with a port.
+    words = [rule for rule in normalized if is_bare_word(rule)]
+    if words:
+        raise MagicError(f"%egress: {' '.join(repr(w) for w in words)} is not a rule: give a full host "
+                         "name (example.com), host:port, an IP address or a CIDR")
+    return normalized
+
+
+def is_bare_word(rule: str) -> bool:
+    parsed = egress_rules.parse(rule)
+    return (parsed.kind == "host" and parsed.port is None and "." not in str(parsed.host)
+            and parsed.host != "localhost")
 
 
 def describe_rules(rules: list[str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -14,11 +15,27 @@ KERNEL_METADATA = {"sandbox_kernel": {"status": True}}
 Send = Callable[[str, dict[str, Any]], None]
 
 
-class CellOutput:
-    """Sends iopub messages for the cell being executed (send = kernel.send_response on iopub)."""
+def html_without_math(body: str) -> str:
+    """HTML the kernel emits, marked so that JupyterLab does not typeset `$…$` in it as LaTeX
+    (its MathJax skips these classes, as for pandas tables). Escaping `$` as `&#36;` would
+    not do: the typesetter reads the decoded text."""
+    return f'<div class="tex2jax_ignore mathjax_ignore">{body}</div>'
 
-    def __init__(self, send: Send) -> None:
+
+# A waiting progress line's tick, e.g. "(pausing, 3 s)" (session._settle): worth showing only
+# where the line updates in place.
+TICK = re.compile(r"\(\w+, \d+ s\)")
+
+
+class CellOutput:
+    """Sends iopub messages for the cell being executed (send = kernel.send_response on iopub).
+
+    in_place: whether the frontend updates a display in place (notebooks do; `jupyter console`
+    ignores update_display_data, so there a progress line's outcome is shown as a new line)."""
+
+    def __init__(self, send: Send, in_place: bool = True) -> None:
         self.send = send
+        self.in_place = in_place
 
     def text(self, text: str, name: str = "stdout") -> None:
         self.send("stream", {"name": name, "text": text})
@@ -43,11 +60,13 @@ class ProgressLine:
         self.out.display({"text/plain": text}, self.display_id, metadata=KERNEL_METADATA)
 
     def __call__(self, detail: str) -> None:
-        """Show progress after the headline, e.g. 'pausing… 3 s'."""
-        self.update(f"{self.headline} {detail}")
+        """Show progress after the headline, e.g. '(pausing, 3 s)' or 'resumed in 0.1 s'."""
+        if self.out.in_place or not TICK.fullmatch(detail):
+            self.update(f"{self.headline} {detail}")
 
     def update(self, text: str) -> None:
-        self.out.display({"text/plain": text}, self.display_id, update=True, metadata=KERNEL_METADATA)
+        self.out.display({"text/plain": text}, self.display_id, update=self.out.in_place,
+                         metadata=KERNEL_METADATA)
 
 
 class OutputGuard:

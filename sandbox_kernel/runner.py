@@ -58,6 +58,8 @@ OUTPUT_BURST_SECONDS = 4.0
 # Events that count against the limit (and are dropped past it); the others (results,
 # errors, input requests) are one or few per cell and the kernel needs them.
 LIMITED_EVENTS = ("display_data", "update_display_data", "clear_output")
+# Where pip installs inside the sandbox: on its own disk, kept across kernel restarts.
+PACKAGES_PREFIX = "~/.local"
 USAGE = "usage: runner.py serve DIR   (clients: runner_client.py)\n"
 
 
@@ -89,6 +91,7 @@ def _import_daemon_modules() -> None:
     import builtins
     import codecs
     import getpass
+    import importlib.machinery
     import importlib.util
     import inspect
     import io
@@ -644,6 +647,10 @@ def _name_at(code: str, cursor_pos: int) -> str:
     return name
 
 
+# In the plain mode, lines in IPython's shell syntax: `!command` and `%pip ...`.
+_SHELL_LINE_PATTERN = r"^([ \t]*)(!|%pip\b)(.*)$"
+
+
 class PlainEngine:
     """Runs cells without IPython.
 
@@ -665,6 +672,8 @@ class PlainEngine:
         self.execution_count = 1  # the count the next stored cell gets
         self._cells_run = 0
         builtins.display = self.display
+        builtins._sandbox_kernel_shell = _shell  # what `!command` lines become (_shell_call)
+        builtins._sandbox_kernel_expand = _expand  # what the kernel's magics call for `{expr}`
 
     def reset_after_fork(self) -> None:
         pass
@@ -736,6 +745,7 @@ class PlainEngine:
 
     def _execute(self, code: str, filename: str) -> object:
         """Run the cell; return the value of its final expression, if any."""
+        code = re.sub(_SHELL_LINE_PATTERN, _shell_call, code, flags=re.MULTILINE)
         # dont_inherit: this file's __future__ imports must not leak into user code.
         tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
@@ -771,6 +781,53 @@ class PlainEngine:
             self._router.write("stderr", traceback.format_exc())
         finally:
             pyplot.close("all")
+
+
+def _shell_call(match) -> str:
+    """A `!command` or `%pip ...` line (IPython syntax) as a call of _shell, line numbers kept."""
+    indent, escape, rest = match.groups()
+    return "%s_sandbox_kernel_shell(%r, %r, globals())" % (indent, rest.strip(), escape == "%pip")
+
+
+def _expand(line: str, names: dict) -> str:
+    """`$name` and `{expr}` in a shell or magic line, evaluated in the user's names (IPython's
+    var_expand, for the plain mode); as there, the line as it was when one fails."""
+    try:
+        named = re.sub(r"\$(\w+)", lambda m: str(names[m.group(1)]) if m.group(1) in names else m.group(0), line)
+        return re.sub(r"\{([^{}]+)\}", lambda m: str(eval(m.group(1), names)), named)
+    except Exception:
+        return line
+
+
+def _shell(command: str, pip: bool, names: dict) -> None:
+    """`!command` and `%pip ...` in the plain mode: the shell runs them, their output is the
+    cell's (fds 1 and 2). pip runs from the interpreter's bundled wheel (ensurepip) when the
+    rootfs has no pip of its own."""
+    import shlex
+    import subprocess
+
+    command = _expand(command, names)
+    env = None
+    if pip:
+        command = "%s -m pip %s" % (shlex.quote(sys.executable), command)
+        if not _importable("pip"):
+            wheel = _bundled_pip()
+            if wheel is None:
+                sys.stderr.write("pip is not available in this sandbox (no pip module, no ensurepip)\n")
+                return
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([wheel, os.environ.get("PYTHONPATH", "")]))
+    subprocess.run(command, shell=True, env=env)
+
+
+def _bundled_pip() -> str | None:
+    try:
+        import ensurepip
+    except ImportError:
+        return None
+    import glob
+
+    wheels = sorted(glob.glob(os.path.join(os.path.dirname(ensurepip.__file__), "_bundled", "pip-*.whl")))
+    return wheels[-1] if wheels else None
 
 
 def _describe(name: str, obj: object, detail_level: int) -> str:
@@ -922,6 +979,48 @@ def _build_ipython_shell(emit, current_count):
     return EventShell.instance(config=config)
 
 
+def _file_loaders() -> list:
+    """What the standard path finder loads from a directory (importlib's own order)."""
+    machinery = importlib.machinery
+    return [(machinery.ExtensionFileLoader, machinery.EXTENSION_SUFFIXES),
+            (machinery.SourceFileLoader, machinery.SOURCE_SUFFIXES),
+            (machinery.SourcelessFileLoader, machinery.BYTECODE_SUFFIXES)]
+
+
+def _use_workspace_packages() -> None:
+    """`%pip install` and `!pip install` write to PACKAGES_PREFIX on the sandbox's own disk
+    (the Python environment may be read-only, as the local engine's is), and what is there
+    is importable: by this runner, by its subprocesses, and after a restart (a new runner
+    sets this up again; the files stay). pip follows PIP_PREFIX like its --prefix option."""
+    import site
+    import sysconfig
+
+    prefix = os.path.expanduser(PACKAGES_PREFIX)
+    scheme = {"base": prefix, "platbase": prefix}
+    site_dirs = []
+    for kind in ("purelib", "platlib"):
+        path = sysconfig.get_path(kind, "posix_prefix", vars=scheme)
+        if path not in site_dirs:
+            site_dirs.append(path)
+    os.environ.setdefault("PIP_PREFIX", prefix)
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(site_dirs + inherited)
+    os.environ["PATH"] = os.path.join(prefix, "bin") + os.pathsep + os.environ.get("PATH", "")
+    # Ahead of the environment's own site-packages, so an installed version wins; .pth
+    # files in them are processed as in any site dir.
+    first_site = next((i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))),
+                      len(sys.path))
+    sys.path[first_site:first_site] = [p for p in site_dirs if p not in sys.path]
+    for path in site_dirs:
+        if os.path.isdir(path):
+            site.addsitedir(path)
+        else:
+            # Not created until pip installs something (the sandbox starts empty). Python
+            # would remember a missing directory as "no finder" and never look again; a
+            # finder of its own notices when the directory appears.
+            sys.path_importer_cache[path] = importlib.machinery.FileFinder(path, *_file_loaders())
+
+
 # ----------------------------------------------------------------- daemon
 
 
@@ -954,6 +1053,7 @@ class Daemon:
         self.router = OutputRouter(FdCapture())
         self.router.start_threads()
         threading.excepthook = self._log_thread_exception
+        _use_workspace_packages()
         sys.stdout = _make_cell_stream(self.router, "stdout", 1)
         sys.stderr = _make_cell_stream(self.router, "stderr", 2)
         self.engine = self._create_engine()

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nbformat
@@ -92,11 +93,14 @@ def wait_until_up(url: str, token: str, server: subprocess.Popen[bytes]) -> None
     raise AssertionError("JupyterLab did not answer within 60 s")
 
 
-def test_jupyterlab_runs_a_cell_that_prints_and_plots(kernelspec: str, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def lab_page_that_ran(kernelspec: str, tmp_path: Path, cell: str) -> Iterator[Any]:
+    """A Chromium page on JupyterLab with a one-cell notebook on the sandbox kernel, after
+    running the cell (its outputs may still be arriving)."""
     browser_path = chromium_path()
     from playwright.sync_api import sync_playwright
 
-    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELL)], metadata={
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)], metadata={
         "kernelspec": {"name": kernelspec, "display_name": "Python (sandbox)", "language": "python"}})
     root = tmp_path / "notebooks"
     root.mkdir()
@@ -113,16 +117,20 @@ def test_jupyterlab_runs_a_cell_that_prints_and_plots(kernelspec: str, tmp_path:
             page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()
             page.locator(".jp-Cell .jp-InputArea-editor").first.click()
             page.keyboard.press("Shift+Enter")
-
-            output = page.locator(".jp-OutputArea-output")
-            output.get_by_text("hello from sb-").wait_for()
-            plot = output.locator("img")
-            plot.wait_for()
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "jupyterlab-sandbox.png"))
-            status = output.get_by_text(f"ready on {PROVIDER}")
-            assert status.count() == 1
-            # The browser decoded a real image, not a broken placeholder.
-            assert plot.evaluate("img => img.naturalWidth") > 100
+            yield page
         finally:
             browser.close()
+
+
+def test_jupyterlab_runs_a_cell_that_prints_and_plots(kernelspec: str, tmp_path: Path) -> None:
+    with lab_page_that_ran(kernelspec, tmp_path, CELL) as page:
+        output = page.locator(".jp-OutputArea-output")
+        output.get_by_text("hello from sb-").wait_for()
+        plot = output.locator("img")
+        plot.wait_for()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "jupyterlab-sandbox.png"))
+        status = output.get_by_text(f"ready on {PROVIDER}")
+        assert status.count() == 1
+        # The browser decoded a real image, not a broken placeholder.
+        assert plot.evaluate("img => img.naturalWidth") > 100

@@ -128,7 +128,7 @@ def test_status_is_a_table(kc: BlockingKernelClient, sandbox_id: str) -> None:
     assert "state        running" in text and "s-1vcpu-1gb (1 vCPU, 1024 MiB)" in text
     assert "forked from  —" in text and "on shutdown  destroy" in text
     assert re.search(r"cost so far  \$0\.\d{4} \(running \d+ s, paused \d+ s\)", text)
-    assert page.startswith("<table>") and f"<td>{sandbox_id}</td>" in page
+    assert page.startswith('<div class="tex2jax_ignore mathjax_ignore"><table>') and f"<td>{sandbox_id}</td>" in page
 
 
 @pytest_slow

@@ -299,6 +299,7 @@ class SandboxClient:
         if split.username is not None or split.password is not None or split.query or split.fragment:
             raise ValueError("base_url must not contain credentials, a query or a fragment")
         self._base_url = base_url.rstrip("/")
+        self._server = uds or self._base_url  # how errors name the server it failed to reach
         self._prefix = split.path.rstrip("/")
         self._api_key = api_key or None
         self._timeout = float(timeout)
@@ -364,8 +365,8 @@ class SandboxClient:
         detail = redact(str(exc), self._secrets) or type(exc).__name__
         if isinstance(exc, httpx.TimeoutException):
             return APITimeoutError(f"timed out{tries} ({type(exc).__name__})", method=method, path=self._prefix + path)
-        return APITransportError(
-            f"{type(exc).__name__}{tries}: {detail}", method=method, path=self._prefix + path
+        return APITransportError(  # the URL first: the user must know which server is out of reach
+            f"{self._server} ({type(exc).__name__}{tries}: {detail})", method=method, path=self._prefix + path
         )
 
     def _should_retry_status(self, method: str, status: int) -> bool:

@@ -1,0 +1,90 @@
+"""%upload and %download: a notebook's data into the sandbox and results out, through the
+files API, files and directories, small and larger than one piece (with progress)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from kernel_helpers import execute, running_kernel
+from sandbox_kernel.transfer import CHUNK, TransferError, inside
+
+pytestmark = pytest.mark.slow
+
+FAKE_JSON = "def dumps(*args, **kwargs):\n    return '{\"dir\": [[\"../escaped.txt\", 1]]}'\n"
+
+
+def lines_of(result) -> list[str]:  # type: ignore[no-untyped-def]
+    return [m["content"]["data"]["text/plain"] for m in result.messages
+            if m["msg_type"] in ("display_data", "update_display_data")]
+
+
+def test_upload_and_download_files_and_directories(kernelspec: str, tmp_path: Path) -> None:
+    notebook_dir = tmp_path / "notebook"
+    (notebook_dir / "data" / "nested").mkdir(parents=True)
+    (notebook_dir / "data" / "a.csv").write_text("x,y\n1,2\n")
+    (notebook_dir / "data" / "nested" / "b.txt").write_text("deep")
+    big = os.urandom(2 * CHUNK + 12345)  # three pieces
+    (notebook_dir / "big.bin").write_bytes(big)
+
+    with running_kernel(kernelspec, cwd=str(notebook_dir)) as (_, kc):
+        # relative on both sides: the notebook's directory, /workspace
+        up = execute(kc, "%upload data")
+        assert up.reply["content"]["status"] == "ok", up.outputs
+        assert lines_of(up)[-1].startswith("Uploaded 2 files, 12 B in ")
+        assert lines_of(up)[-1].endswith(" to /workspace/data")
+        seen = execute(kc, "print(open('/workspace/data/a.csv').read(), open('data/nested/b.txt').read())")
+        assert seen.text() == "x,y\n1,2\n deep\n"
+
+        up_big = execute(kc, "%upload big.bin /workspace/in/big.bin")
+        shown = lines_of(up_big)
+        assert "Uploading big.bin… 8.0 MiB of 16.0 MiB" in shown, shown  # progress per piece
+        assert shown[-1].startswith("Uploaded 1 file, 16.0 MiB in ")
+        digest = execute(kc, "import hashlib; print(hashlib.sha256(open('in/big.bin', 'rb').read()).hexdigest())")
+        assert digest.text().strip() == hashlib.sha256(big).hexdigest()
+
+        execute(kc, "import os, shutil\nos.makedirs('results/plots')\nopen('results/r.txt', 'w').write('42')\n"
+                    "open('results/plots/p.svg', 'w').write('<svg/>')\nshutil.copy('in/big.bin', 'results/big.bin')")
+        # a json.py in the working directory that fakes a listing leaving the target: a plain
+        # `python3 -c` there would use it (shown), the listing's isolated Python does not
+        execute(kc, f"open('/workspace/json.py', 'w').write({FAKE_JSON!r})")
+        assert "escaped" in execute(kc, "!python3 -c 'import json; print(json.dumps(1))'").text()
+        down = execute(kc, "%download results out")
+        assert down.reply["content"]["status"] == "ok", down.outputs
+        assert lines_of(down)[-1].startswith("Downloaded 3 files, 16.0 MiB in ")
+        assert (notebook_dir / "out" / "r.txt").read_text() == "42"
+        assert (notebook_dir / "out" / "plots" / "p.svg").read_text() == "<svg/>"
+        assert (notebook_dir / "out" / "big.bin").read_bytes() == big
+        assert not (notebook_dir / "escaped.txt").exists()
+        assert not list(notebook_dir.rglob(".*partial*"))  # no leftovers on either side
+        assert execute(kc, "import glob; print(glob.glob('/tmp/.sandbox-kernel-transfer/*'))").text() == "[]\n"
+
+        one = execute(kc, "%download results/r.txt")
+        assert (notebook_dir / "r.txt").read_text() == "42", one.outputs
+        into = execute(kc, "%download results/r.txt out/plots")  # an existing directory: into it
+        assert (notebook_dir / "out" / "plots" / "r.txt").read_text() == "42", into.outputs
+
+        # mistakes: one line, and the kernel carries on
+        missing = execute(kc, "%download nothing-here.txt")
+        assert missing.reply["content"]["status"] == "error"
+        assert missing.text("stderr") == ("sandbox-kernel: %download: /workspace/nothing-here.txt: "
+                                          "no such file or directory in the sandbox\n")
+        absent = execute(kc, "%upload no-such-file")
+        assert "no-such-file: no such file or directory on this machine" in absent.text("stderr")
+        assert "%upload LOCAL [REMOTE]" in execute(kc, "%upload help").text()
+        assert execute(kc, "print('still here')").text() == "still here\n"
+
+
+def test_a_listed_name_never_leaves_the_target_directory(tmp_path: Path) -> None:
+    """The sandbox lists a directory for %download: its names are not trusted."""
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "link").symlink_to(tmp_path / "outside")
+    root = (tmp_path / "target").resolve()
+    assert inside(root, "a/b.txt") == root / "a" / "b.txt"
+    for name in ("../escape.txt", "/etc/passwd", "a/../../escape", "link/x.txt", ""):
+        with pytest.raises(TransferError):
+            inside(root, name)
