@@ -84,10 +84,11 @@ def serve(state_dir: str) -> int:
 def _import_daemon_modules() -> None:
     """Import the modules the daemon needs (kept out of the module level since clients
     once ran this file too; runner_client.py is the client now)."""
-    global ast, builtins, codecs, getpass, importlib, inspect, io, linecache
+    global ast, asyncio, builtins, codecs, getpass, importlib, inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
     global tokenize, traceback, types, warnings
     import ast
+    import asyncio
     import builtins
     import codecs
     import getpass
@@ -141,6 +142,9 @@ class Cell:
         # take numbers too); None lets the runner count.
         self.execution_count = execution_count
         self.journal_path = journal_path
+        # What the execute_request asked besides the code (set by the daemon when submitted).
+        self.allow_stdin = True
+        self.user_expressions: dict = {}
         self.started_count: int | None = None  # the count of its started event, once it runs
         self.stored = False  # whether it takes an execution count (known once it runs)
         self.finished = False
@@ -345,6 +349,7 @@ class OutputRouter:
         self._pending: list[str] = []
         self._pending_size = 0
         self._limit_noticed = False  # whether the current cell was told its output is dropped
+        self._pid = os.getpid()  # a process forked by cell code (multiprocessing) is not this one
 
     def start_threads(self) -> None:
         for target in (self._read_fds_forever, self._flush_forever):
@@ -373,6 +378,7 @@ class OutputRouter:
         self._capture = capture
         self._lock = threading.Lock()
         self._has_pending = threading.Condition(self._lock)
+        self._pid = os.getpid()
 
     def begin(self, cell: Cell) -> None:
         with self._lock:
@@ -388,6 +394,11 @@ class OutputRouter:
 
     def write(self, name: str, text: str) -> None:
         """Python-level write to sys.stdout / sys.stderr."""
+        if os.getpid() != self._pid:
+            # A child forked by cell code (multiprocessing): this router's threads and cell
+            # stayed in the daemon, but fds 1 and 2 still lead to its capture pipes.
+            _write_all(1 if name == "stdout" else 2, text.encode("utf-8", "replace"))
+            return
         with self._lock:
             if self._capture.has_output():
                 self._absorb_fd_output()
@@ -568,6 +579,8 @@ class InputBridge:
         cell = self._router.current_cell
         if cell is None:
             raise EOFError("input is only available while a cell runs")
+        if not cell.allow_stdin:  # the execute_request said so: fail at once, as ipykernel does
+            raise _stdin_not_implemented()("input() was called, but this frontend does not support input requests")
         answered = threading.Event()
         box: list[str | None] = []
         with self._lock:
@@ -581,6 +594,32 @@ class InputBridge:
         if box[0] is None:
             raise EOFError("input() is not available: this frontend does not accept input")
         return box[0]
+
+
+def _stdin_not_implemented() -> type:
+    """IPython's StdinNotImplementedError (what ipykernel raises), or a stand-in without IPython."""
+    try:
+        from IPython.core.error import StdinNotImplementedError
+    except ImportError:
+        class StdinNotImplementedError(NotImplementedError):
+            pass
+    return StdinNotImplementedError
+
+
+class CellTask:
+    """The asyncio task of the cell running now, while it awaits (top-level await), so
+    that an interrupt can cancel it (Daemon._on_interrupt)."""
+
+    current: "asyncio.Future | None" = None
+
+    @classmethod
+    async def run(cls, coroutine) -> object:
+        task = asyncio.ensure_future(coroutine)
+        cls.current = task
+        try:
+            return await task
+        finally:
+            cls.current = None
 
 
 # ----------------------------------------------------------- plain engine
@@ -678,14 +717,14 @@ class PlainEngine:
     def reset_after_fork(self) -> None:
         pass
 
-    def run(self, code: str, silent: bool, store_history: bool, count: int) -> bool:
+    async def run(self, code: str, silent: bool, store_history: bool, count: int) -> bool:
         self._cells_run += 1
         filename = "<cell-%d>" % self._cells_run
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         if store_history:
             self.execution_count += 1
         try:
-            value = self._execute(code, filename)
+            value = await self._execute(code, filename)
             if value is not None and not silent and not _ends_with_semicolon(code):
                 self.namespace["_"] = value
                 self._router.emit("execute_result", execution_count=count,
@@ -696,6 +735,20 @@ class PlainEngine:
             ok = False
         self._show_figures()
         return ok
+
+    def user_expressions(self, expressions: dict) -> dict:
+        """Each expression's value as a mime bundle, or its error (execute_reply's user_expressions)."""
+        results = {}
+        for key, expression in expressions.items():
+            try:
+                results[key] = {"status": "ok", "data": _mime_bundle(eval(expression, self.namespace)), "metadata": {}}
+            except Exception as exc:
+                results[key] = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
+                                "traceback": traceback.format_exception_only(type(exc), exc)}
+        return results
+
+    def take_payload(self) -> list:
+        return []  # pager, set_next_input: IPython features
 
     def display(self, *objs: object, display_id: str | None = None, update: bool = False,
                 metadata: dict | None = None, **_ignored: object) -> None:
@@ -743,17 +796,25 @@ class PlainEngine:
             obj = getattr(obj, attribute)
         return obj
 
-    def _execute(self, code: str, filename: str) -> object:
-        """Run the cell; return the value of its final expression, if any."""
+    async def _execute(self, code: str, filename: str) -> object:
+        """Run the cell (top-level await allowed); return the value of its final expression, if any."""
         code = re.sub(_SHELL_LINE_PATTERN, _shell_call, code, flags=re.MULTILINE)
         # dont_inherit: this file's __future__ imports must not leak into user code.
         tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        exec(compile(tree, filename, "exec", dont_inherit=True), self.namespace)
+        await self._evaluate(compile(tree, filename, "exec", ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True))
         if last is None:
             return None
         expression = ast.Expression(last.value)
-        return eval(compile(expression, filename, "eval", dont_inherit=True), self.namespace)
+        return await self._evaluate(compile(expression, filename, "eval", ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+                                            dont_inherit=True))
+
+    async def _evaluate(self, compiled: types.CodeType) -> object:
+        """Run compiled cell code; code with a top-level await is a coroutine to await."""
+        outcome = eval(compiled, self.namespace)
+        if compiled.co_flags & inspect.CO_COROUTINE:
+            return await CellTask.run(outcome)
+        return outcome
 
     def _report_error(self, etype: type, value: BaseException, tb: types.TracebackType | None) -> None:
         while tb is not None and tb.tb_frame.f_code.co_filename == _THIS_FILE:
@@ -849,6 +910,14 @@ def _describe(name: str, obj: object, detail_level: int) -> str:
     return "\n".join(lines)
 
 
+def _event_loop_files() -> tuple:
+    """Where the event loop's own code lives (asyncio, selectors): a signal that arrives
+    there found the main thread idle in the loop."""
+    import selectors
+
+    return (os.path.dirname(asyncio.__file__) + os.sep, selectors.__file__)
+
+
 def _this_file() -> str:
     """The filename this file's frames carry (to strip them from tracebacks)."""
     return _this_file.__code__.co_filename
@@ -886,10 +955,42 @@ class IPythonEngine:
     def execution_count(self, count: int) -> None:
         self.shell.execution_count = count
 
-    def run(self, code: str, silent: bool, store_history: bool, count: int) -> bool:
+    async def run(self, code: str, silent: bool, store_history: bool, count: int) -> bool:
+        """Run a cell on the daemon's event loop: a cell with top-level await as a task
+        (what ipykernel does), any other synchronously."""
+        from IPython.core.interactiveshell import _asyncio_runner
+
         self._count = count
-        result = self.shell.run_cell(code, store_history=store_history, silent=silent)
-        return result.success
+        shell = self.shell
+        shell.displayhook_failed = False
+        try:
+            transformed, transform_error = shell.transform_cell(code), None
+        except Exception:
+            transformed, transform_error = code, sys.exc_info()
+        if shell.loop_runner is _asyncio_runner and shell.should_run_async(
+                code, transformed_cell=transformed, preprocessing_exc_tuple=transform_error):
+            result = None
+            try:
+                result = await CellTask.run(shell.run_cell_async(
+                    code, store_history=store_history, silent=silent, transformed_cell=transformed,
+                    preprocessing_exc_tuple=transform_error))
+            finally:  # what run_cell does after run_cell_async
+                shell.events.trigger("post_execute")
+                if not silent:
+                    shell.events.trigger("post_run_cell", result)
+        else:
+            result = shell.run_cell(code, store_history=store_history, silent=silent)
+        # An error formatting the cell's result fails the cell, as under ipykernel.
+        return result.success and not shell.displayhook_failed
+
+    def user_expressions(self, expressions: dict) -> dict:
+        return self.shell.user_expressions(expressions)
+
+    def take_payload(self) -> list:
+        """What the cell asked of the frontend (pager, next input): the execute_reply's payload."""
+        payload = self.shell.payload_manager.read_payload()
+        self.shell.payload_manager.clear_payload()
+        return payload
 
     def complete(self, code: str, cursor_pos: int) -> dict:
         # The provisional completions API (what ipykernel uses): unlike the
@@ -934,6 +1035,8 @@ def _build_ipython_shell(emit, current_count):
     class EventDisplayHook(DisplayHook):
         """The value of a cell's last expression becomes an execute_result."""
 
+        _bundle = None  # while formatting a result
+
         def start_displayhook(self):
             self._bundle = ({}, {})
 
@@ -945,6 +1048,7 @@ def _build_ipython_shell(emit, current_count):
 
         def finish_displayhook(self):
             data, metadata = self._bundle
+            self._bundle = None
             if data:
                 emit("execute_result", execution_count=current_count(), data=data, metadata=metadata)
 
@@ -958,8 +1062,20 @@ def _build_ipython_shell(emit, current_count):
     class EventShell(InteractiveShell):
         displayhook_class = Type(EventDisplayHook)
         display_pub_class = Type(EventDisplayPublisher)
+        displayhook_failed = False  # a result's formatting raised, in the cell running now
+
+        def init_hooks(self):
+            super().init_hooks()
+            # `obj?`, `%pdoc`, `%pinfo`...: a `page` payload for the frontend's pager.
+            self.set_hook("show_in_pager", _page_payload, 99)
+
+        def set_next_input(self, s, replace=False):
+            # `%load`, `%recall`: the frontend puts the text in the next input (or this one).
+            self.payload_manager.write_payload({"source": "set_next_input", "text": s, "replace": replace})
 
         def _showtraceback(self, etype, evalue, stb):
+            if self.displayhook._bundle is not None:
+                self.displayhook_failed = True
             # IPython always shows the frame that raised, even a runner one (input()
             # without a frontend, say): drop every frame of this file.
             user_frames = [entry for entry in stb if _THIS_FILE not in re.sub(r"\x1b\[[0-9;]*m", "", entry)]
@@ -976,7 +1092,29 @@ def _build_ipython_shell(emit, current_count):
 
     config = Config()
     config.HistoryManager.hist_file = ":memory:"  # no sqlite file, no history-saving thread
-    return EventShell.instance(config=config)
+    shell = EventShell.instance(config=config)
+    _use_interruptible_pdb()
+    return shell
+
+
+def _page_payload(shell, data, start=0, screen_lines=0):
+    """The show_in_pager hook: text or a mime bundle for the frontend's pager."""
+    bundle = dict(data) if isinstance(data, dict) else {"text/plain": str(data)}
+    bundle.pop("text/html", None)  # no HTML pager, as in ipykernel by default
+    shell.payload_manager.write_payload({"source": "page", "data": bundle, "start": start})
+
+
+def _use_interruptible_pdb() -> None:
+    """pdb.set_trace() and breakpoint() get IPython's debugger that an interrupt ends
+    (plain pdb would swallow the KeyboardInterrupt and the cell would never end)."""
+    import pdb
+
+    from IPython.core import debugger
+
+    if hasattr(debugger, "InterruptiblePdb"):
+        debugger.Pdb = debugger.InterruptiblePdb
+        pdb.Pdb = debugger.InterruptiblePdb
+        pdb.set_trace = debugger.set_trace
 
 
 def _file_loaders() -> list:
@@ -1027,7 +1165,8 @@ def _use_workspace_packages() -> None:
 class Daemon:
     """Holds the user's session: accepts clients on the unix socket in
     background threads and runs queued cells one by one in the main thread
-    (required for signal-based KeyboardInterrupt)."""
+    (required for signal-based KeyboardInterrupt), on an asyncio event loop that
+    runs in and between cells, as under ipykernel."""
 
     def __init__(self, state_dir: str):
         self._set_state_dir(state_dir)
@@ -1037,6 +1176,9 @@ class Daemon:
         self._fork_lock = threading.Lock()  # one fork at a time
         self._running: Cell | None = None
         self._main_thread = threading.get_ident()
+        # The main thread's event loop, and how a submitted cell wakes it (_main_loop).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cell_queued: asyncio.Event | None = None
         self._server: socket.socket | None = None
         self._connections: set = set()  # open client connections (a forked child closes its copies)
         self._registration_path: str | None = None
@@ -1072,8 +1214,31 @@ class Daemon:
         self._register()
 
     def _main_loop(self) -> None:
+        """Run queued cells forever on a new event loop. A cell can use the running loop
+        and await at top level; tasks it starts run on while it awaits and between cells."""
+        self._loop_files = _event_loop_files()
+        self._loop = loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        cells = loop.create_task(self._run_cells())
         while True:
-            self._execute(self._queue.get())
+            try:
+                loop.run_until_complete(cells)
+            except KeyboardInterrupt:
+                # Landed in a task of the user's while an async cell awaited: that task
+                # ends with it; the loop and the cell go on.
+                if cells.done():
+                    cells = loop.create_task(self._run_cells())
+
+    async def _run_cells(self) -> None:
+        self._cell_queued = asyncio.Event()
+        while True:
+            try:
+                cell = self._queue.get_nowait()
+            except queue.Empty:
+                await self._cell_queued.wait()
+                self._cell_queued.clear()
+                continue
+            await self._execute(cell)
 
     def _create_engine(self):
         use_ipython = os.environ.get(NO_IPYTHON_ENV) != "1" and _importable("IPython")
@@ -1143,7 +1308,7 @@ class Daemon:
 
     # --- execution (main thread)
 
-    def _execute(self, cell: Cell) -> None:
+    async def _execute(self, cell: Cell) -> None:
         stored = cell.store_history and not cell.silent
         if stored and cell.execution_count is not None:
             self.engine.execution_count = cell.execution_count
@@ -1151,22 +1316,28 @@ class Daemon:
         cell.started_count, cell.stored = count, stored
         self.router.begin(cell)
         ok = False
+        reply: dict = {}  # for the execute_reply: user_expressions, payload
         try:
             self.router.emit("started", execution_count=count)
-            ok = self._run_user_code(cell, stored, count)
+            ok = await self._run_user_code(cell, stored, count)
+            if ok and cell.user_expressions:
+                reply["user_expressions"] = self.engine.user_expressions(cell.user_expressions)
+            payload = self.engine.take_payload()
+            if payload:
+                reply["payload"] = payload
         except Exception:
             self.router.log("internal error running %s:\n%s" % (cell.cell_id, traceback.format_exc()))
         finally:
             self.router.end()
-            cell.emit("done", status="ok" if ok else "error", execution_count=count)
+            cell.emit("done", status="ok" if ok else "error", execution_count=count, **reply)
             cell.code = ""  # the journal has what matters now
 
-    def _run_user_code(self, cell: Cell, stored: bool, count: int) -> bool:
+    async def _run_user_code(self, cell: Cell, stored: bool, count: int) -> bool:
         with self._lock:
             self._running = cell
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, self._on_interrupt)
         try:
-            return self.engine.run(cell.code, cell.silent, stored, count)
+            return await self.engine.run(cell.code, cell.silent, stored, count)
         except KeyboardInterrupt:  # landed in engine code rather than in the user's
             self.router.emit("error", ename="KeyboardInterrupt", evalue="", traceback=[])
             return False
@@ -1174,6 +1345,16 @@ class Daemon:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             with self._lock:
                 self._running = None
+
+    def _on_interrupt(self, signum: int, frame) -> None:
+        """SIGINT during a cell: a KeyboardInterrupt where the cell's code runs; but a cell
+        awaiting (the loop idle in its selector) is cancelled instead, as under ipykernel,
+        since the exception would end the loop rather than the cell."""
+        task = CellTask.current
+        if task is not None and frame is not None and frame.f_code.co_filename.startswith(self._loop_files):
+            self._loop.call_soon_threadsafe(task.cancel)
+            return
+        raise KeyboardInterrupt
 
     # --- connections (background threads)
 
@@ -1245,9 +1426,15 @@ class Daemon:
                 cell = Cell(cell_id, code, bool(request.get("silent")), bool(request.get("store_history", True)),
                             os.path.join(self.journal_dir, cell_id + ".ndjson"),
                             count if isinstance(count, int) else None, OutputBudget.from_request(request))
+                cell.allow_stdin = bool(request.get("allow_stdin", True))
+                expressions = request.get("user_expressions")
+                if isinstance(expressions, dict):
+                    cell.user_expressions = {str(k): str(v) for k, v in expressions.items()}
                 self._cells[cell_id] = cell
                 self._forget_old_cells()
                 self._queue.put(cell)
+                if self._loop is not None and self._cell_queued is not None:
+                    self._loop.call_soon_threadsafe(self._cell_queued.set)
         return cell
 
     def _forget_old_cells(self) -> None:
@@ -1463,6 +1650,7 @@ class Daemon:
             if cell.stored and cell.started_count is not None:  # its number was handed out
                 self.engine.execution_count = max(self.engine.execution_count, cell.started_count + 1)
         self._queue = queue.Queue()
+        self._loop = self._cell_queued = None  # the parent's; _main_loop makes the child's
         self._lock = threading.Lock()
         self._fork_lock = threading.Lock()
         self._running = None
