@@ -77,6 +77,10 @@ def main(argv: list[str]) -> int:
 
 def serve(state_dir: str) -> int:
     _import_daemon_modules()
+    # Imports look in the working directory first, as in any kernel: '' where Python put
+    # this script's directory (which holds nothing for user code).
+    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+        sys.path[0] = ""
     Daemon(os.path.abspath(state_dir)).serve_forever()
     return 0
 
@@ -954,6 +958,11 @@ class IPythonEngine:
     @execution_count.setter
     def execution_count(self, count: int) -> None:
         self.shell.execution_count = count
+        # Numbers the kernel gave to cells that did not run here (its own magics, an empty
+        # cell): blank history entries, so that In[n], %history and %recall n find cell n.
+        history = self.shell.history_manager
+        for inputs in (history.input_hist_parsed, history.input_hist_raw):
+            inputs.extend([""] * (count - len(inputs)))
 
     async def run(self, code: str, silent: bool, store_history: bool, count: int) -> bool:
         """Run a cell on the daemon's event loop: a cell with top-level await as a task
@@ -1239,6 +1248,7 @@ class Daemon:
                 self._cell_queued.clear()
                 continue
             await self._execute(cell)
+            await asyncio.sleep(0)  # tasks the cell started take a step before the next cell
 
     def _create_engine(self):
         use_ipython = os.environ.get(NO_IPYTHON_ENV) != "1" and _importable("IPython")
