@@ -43,6 +43,7 @@ HANDOFF_MAX_AGE = RESTART_HANDOFF_WAIT  # a restart hand-off older than this is 
 # a kernel that takes 5 s), then stop waiting and find the sandbox by its name (shutdown_policy.py).
 BOOT_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
+USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
 STDIN_POLL = 0.01  # seconds between looks for the frontend's input_reply
 # A cell that waits longer than this for the sandbox to start shows a progress line.
 SLOW_START = 2.0
@@ -100,6 +101,7 @@ class SandboxKernel(Kernel):
         # the service carries on; only the cell stops waiting.
         self.interruptible: asyncio.Future[Any] | None = None
         self.wait_interrupted = False
+        self.memory_limits: dict[str, int] = {}  # bytes, per sandbox id (its shape's memory)
         # Client sessions that asked is_complete: terminals (see _frontend_updates_in_place).
         self.terminal_sessions: set[str] = set()
 
@@ -380,6 +382,25 @@ class SandboxKernel(Kernel):
             log.warning("%s failed: %s", message["op"], exc)
             return {}
 
+    async def usage_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
+        """JupyterLab's kernel usage panel: the sandbox's CPU and memory (not this process's),
+        in the fields of ipykernel's usage_reply; empty while there is no sandbox to ask."""
+        try:
+            content = await self._on_main_loop(asyncio.wait_for(self._sandbox_usage(), USAGE_WAIT))
+        except Exception as exc:
+            log.warning("usage: %s", exc)
+            content = {}
+        self.session.send(stream, "usage_reply", content, parent, ident=ident)
+
+    async def _sandbox_usage(self) -> dict[str, Any]:
+        if self.boot is None or not self.boot.done() or self.boot.exception() or self.sandbox is None:
+            return {}
+        sample = await self.sandbox.runner_request({"op": "usage"})
+        sandbox_id = self.sandbox.sandbox_id or ""
+        if sandbox_id not in self.memory_limits:
+            self.memory_limits[sandbox_id] = ((await self.sandbox.view()).mem_mib or 0) * 2**20
+        return usage_reply(sample, self.memory_limits[sandbox_id])
+
     async def do_is_complete(self, code: str) -> dict[str, Any]:
         self.terminal_sessions.add(self._client_session())
         from IPython.core.inputtransformer2 import TransformerManager
@@ -497,6 +518,31 @@ class SandboxKernel(Kernel):
         if time.time() - info.get("time", 0) > HANDOFF_MAX_AGE or "sandbox_id" not in info:
             return None
         return info
+
+
+def usage_reply(sample: dict[str, Any], memory_limit: int) -> dict[str, Any]:
+    """ipykernel's usage_reply fields from the runner's sample (runner.UsageMeter). The
+    sandbox's memory is its shape's; where that is less than the machine it runs on shows
+    (a local sandbox sees the host's /proc/meminfo), what its processes hold is what it uses.
+    Only numbers are taken: the sample comes from the sandbox."""
+    def number(value: Any) -> float | None:
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    reply: dict[str, Any] = {"hostname": str(sample.get("hostname", ""))[:256]}
+    for field in ("pid", "cpu_count", "kernel_cpu", "kernel_memory", "host_cpu_percent"):
+        if number(sample.get(field)) is not None:
+            reply[field] = sample[field]
+    meminfo = sample.get("meminfo") if isinstance(sample.get("meminfo"), dict) else {}
+    machine, available = number(meminfo.get("total")), number(meminfo.get("available"))
+    if machine is None or available is None:
+        return reply
+    if memory_limit and memory_limit < machine:
+        total, used = memory_limit, min(number(sample.get("sandbox_processes_memory")) or 0, memory_limit)
+    else:
+        total, used = machine, machine - available
+    reply["host_virtual_memory"] = {"total": total, "available": total - used, "used": used,
+                                    "free": total - used, "percent": round(100 * used / total, 1) if total else 0.0}
+    return reply
 
 
 def _payload_of(done: dict[str, Any]) -> list[dict[str, Any]]:

@@ -238,3 +238,20 @@ def test_a_failing_repr_fails_the_cell_as_under_ipykernel(kc: BlockingKernelClie
     shown = run(kc, "display(Bad())")
     assert shown.reply["content"]["status"] == "ok"
     assert [m["msg_type"] for m in shown.outputs] == ["error", "display_data"]
+
+
+# -- 9. usage_request -------------------------------------------------------------------------
+
+def test_usage_reply_measures_the_sandbox(kc: BlockingKernelClient) -> None:
+    hostname = run(kc, "import os, socket\nprint(socket.gethostname())").text().strip()
+    control(kc, "usage_request", {})  # the first sample starts the CPU measurement
+    run(kc, "ballast = b'x' * (200 * 2**20)")
+    usage = control(kc, "usage_request", {})["content"]
+    assert usage["hostname"] == hostname  # the sandbox's, not this machine's
+    assert usage["pid"] == int(run(kc, "print(os.getpid())").text())
+    assert usage["kernel_memory"] >= 200 * 2**20
+    assert usage["kernel_cpu"] >= 0 and usage["cpu_count"] >= 1
+    memory = usage["host_virtual_memory"]
+    assert memory["total"] <= 1024 * 2**20, "the sandbox's memory (its shape's), not the host's"
+    assert memory["used"] >= 200 * 2**20 and memory["used"] + memory["available"] == memory["total"]
+    run(kc, "del ballast")
