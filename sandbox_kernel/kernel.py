@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import zmq
+from ipykernel.kernelapp import IPKernelApp
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
@@ -43,6 +44,7 @@ HANDOFF_MAX_AGE = RESTART_HANDOFF_WAIT  # a restart hand-off older than this is 
 # a kernel that takes 5 s), then stop waiting and find the sandbox by its name (shutdown_policy.py).
 BOOT_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
+CONTROL_THREAD_WAIT = 5.0  # at exit, for the control thread to finish its last message
 USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
 STDIN_POLL = 0.01  # seconds between looks for the frontend's input_reply
 # A cell that waits longer than this for the sandbox to start shows a progress line.
@@ -610,12 +612,24 @@ class _EventTranslator:
             task.cancel()
 
 
-def main() -> None:
-    from ipykernel.kernelapp import IPKernelApp
+class SandboxKernelApp(IPKernelApp):
+    def start(self) -> None:
+        """Once the shell's loop has stopped (a shutdown), let the control thread finish
+        before the process exits. At exit ipykernel stops IOPub first, while the control
+        thread may still be flushing after the shutdown_reply: that flush then waits out its
+        timeout (10 s) for IOPub, and the kernel lingers."""
+        try:
+            super().start()
+        finally:
+            if self.control_thread and self.control_thread.is_alive():
+                self.control_thread.stop()
+                self.control_thread.join(CONTROL_THREAD_WAIT)
 
+
+def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     log.setLevel(logging.INFO)  # the kernel's log says where its sandbox runs
-    IPKernelApp.launch_instance(kernel_class=SandboxKernel)
+    SandboxKernelApp.launch_instance(kernel_class=SandboxKernel)
 
 
 if __name__ == "__main__":

@@ -255,3 +255,17 @@ def test_usage_reply_measures_the_sandbox(kc: BlockingKernelClient) -> None:
     assert memory["total"] <= 1024 * 2**20, "the sandbox's memory (its shape's), not the host's"
     assert memory["used"] >= 200 * 2**20 and memory["used"] + memory["available"] == memory["total"]
     run(kc, "del ballast")
+
+
+# -- 12. shutdown -------------------------------------------------------------------------------
+
+def test_the_kernel_exits_by_itself_after_shutdown_reply(kernelspec: str) -> None:
+    """jupyter_client waits a few seconds (shutdown_wait_time) for the process, then kills
+    it: a kernel that lingers after its reply (a thread stuck on a zmq socket) is killed.
+    The race showed in about 1 run of 5, hence several runs, each after an interrupted input."""
+    for _ in range(5):
+        with running_kernel(kernelspec) as (km, kc):
+            interrupted = run(kc, "input()", allow_stdin=True, stdin_hook=lambda msg: km.interrupt_kernel())
+            assert interrupted.reply["content"]["ename"] == "KeyboardInterrupt"
+            process = km.provisioner.process
+        assert process.returncode == 0, "killed by jupyter_client: it lingered after shutdown_reply"
