@@ -11,6 +11,7 @@ did not ask for: where the sandbox runs is in the banner, the log and `%sandbox 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import logging
@@ -46,6 +47,7 @@ BOOT_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
 CONTROL_THREAD_WAIT = 5.0  # at exit, for the control thread to finish its last message
 USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
+COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
 STDIN_POLL = 0.01  # seconds between looks for the frontend's input_reply
 # A cell that waits longer than this for the sandbox to start shows a progress line.
 SLOW_START = 2.0
@@ -104,6 +106,8 @@ class SandboxKernel(Kernel):
         self.interruptible: asyncio.Future[Any] | None = None
         self.wait_interrupted = False
         self.memory_limits: dict[str, int] = {}  # bytes, per sandbox id (its shape's memory)
+        for msg_type in COMM_MESSAGES:  # delivered to the comm manager in the sandbox
+            self.shell_handlers[msg_type] = self._comm_from_frontend
         # Client sessions that asked is_complete: terminals (see _frontend_updates_in_place).
         self.terminal_sessions: set[str] = set()
 
@@ -163,7 +167,7 @@ class SandboxKernel(Kernel):
     @property
     def banner(self) -> str:  # type: ignore[override]
         """kernel_info's banner: where cells run, once the sandbox is up."""
-        if self.boot is None or not self.boot.done() or self.boot.exception() or self.sandbox is None:
+        if not self._sandbox_ready():
             return self.base_banner
         return f"{self.base_banner}\n{self._ready_line()}"
 
@@ -374,9 +378,12 @@ class SandboxKernel(Kernel):
         return {"status": "ok", "found": reply.get("found", False),
                 "data": reply.get("data", {}), "metadata": reply.get("metadata", {})}
 
+    def _sandbox_ready(self) -> bool:
+        return not (self.boot is None or not self.boot.done() or self.boot.exception() or self.sandbox is None)
+
     async def _runner_query(self, message: dict[str, Any]) -> dict[str, Any]:
         """Completion and inspection are best effort: an empty answer beats an error popup."""
-        if self.boot is None or not self.boot.done() or self.boot.exception() or self.sandbox is None:
+        if not self._sandbox_ready():
             return {}
         try:
             return await self.sandbox.runner_request(message)
@@ -395,13 +402,41 @@ class SandboxKernel(Kernel):
         self.session.send(stream, "usage_reply", content, parent, ident=ident)
 
     async def _sandbox_usage(self) -> dict[str, Any]:
-        if self.boot is None or not self.boot.done() or self.boot.exception() or self.sandbox is None:
+        if not self._sandbox_ready():
             return {}
         sample = await self.sandbox.runner_request({"op": "usage"})
         sandbox_id = self.sandbox.sandbox_id or ""
         if sandbox_id not in self.memory_limits:
             self.memory_limits[sandbox_id] = ((await self.sandbox.view()).mem_mib or 0) * 2**20
         return usage_reply(sample, self.memory_limits[sandbox_id])
+
+    # -- comms (ipywidgets...): the comm manager lives in the sandbox ---------------------------
+
+    async def _comm_from_frontend(self, stream, ident, parent):  # type: ignore[no-untyped-def]
+        """comm_open/comm_msg/comm_close: run in the sandbox like a silent cell, so the
+        handlers' messages (a widget's echo, its output) come back with this one as parent."""
+        if not self._sandbox_ready():
+            log.warning("%s before the sandbox is up: dropped", parent["header"]["msg_type"])
+            return
+        assert self.sandbox is not None
+        message = {"msg_type": parent["header"]["msg_type"], "content": parent["content"],
+                   "metadata": parent.get("metadata") or {},
+                   "buffers": [base64.b64encode(bytes(buffer)).decode("ascii") for buffer in parent.get("buffers") or []]}
+        cell_id = uuid.uuid4().hex
+        translate = _EventTranslator(self, self.sandbox, cell_id)
+        try:
+            await self.sandbox.run_cell(cell_id, "", translate.handle, silent=True, store_history=False,
+                                        fields={"comm": message})
+        except Exception as exc:  # no reply to send: the frontend learns nothing, the log does
+            log.warning("%s not delivered: %s", message["msg_type"], exc)
+
+    async def comm_info_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
+        target_name = parent["content"].get("target_name")
+        answer = await self._runner_query({"op": "comm_info", "target_name": target_name})
+        comms = answer.get("comms") if isinstance(answer.get("comms"), dict) else {}
+        comms = {str(comm_id): {"target_name": str(info.get("target_name", ""))}
+                 for comm_id, info in comms.items() if isinstance(info, dict)}
+        self.session.send(stream, "comm_info_reply", {"status": "ok", "comms": comms}, parent, ident=ident)
 
     async def do_is_complete(self, code: str) -> dict[str, Any]:
         self.terminal_sessions.add(self._client_session())
@@ -597,12 +632,28 @@ class _EventTranslator:
             self.last_error = {"ename": event["ename"], "evalue": event["evalue"],
                                "traceback": event["traceback"]}
             send(iopub, "error", self.last_error)
+        elif kind == "comm":
+            self._forward_comm(event)
         elif kind == "ask_exit":
             self.asked_exit = True
         elif kind == "input_request":
             # Don't block the event stream while the user types.
             self.input_tasks.append(asyncio.get_running_loop().create_task(
                 self._ask(event.get("prompt", ""), event.get("password", False))))
+
+    def _forward_comm(self, event: dict[str, Any]) -> None:
+        """A message of a comm in the sandbox, to the frontend, binary buffers restored."""
+        content, buffers = event.get("content"), event.get("buffers") or []
+        if event.get("msg_type") not in COMM_MESSAGES or not isinstance(content, dict) or not isinstance(buffers, list):
+            return
+        try:
+            raw = [base64.b64decode(buffer, validate=True) for buffer in buffers]
+        except (TypeError, ValueError):
+            log.warning("dropped a comm message with malformed buffers")
+            return
+        metadata = event.get("metadata") if isinstance(event.get("metadata"), dict) else {}
+        self.kernel.send_response(self.kernel.iopub_socket, event["msg_type"], content, buffers=raw,
+                                  metadata=metadata)
 
     async def _ask(self, prompt: str, password: bool) -> None:
         await self.session.send_input(self.cell_id, await self.kernel.ask_frontend(prompt, password))

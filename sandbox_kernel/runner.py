@@ -57,7 +57,8 @@ DEFAULT_OUTPUT_RATE = 8 * 1024 * 1024
 OUTPUT_BURST_SECONDS = 4.0
 # Events that count against the limit (and are dropped past it); the others (results,
 # errors, input requests) are one or few per cell and the kernel needs them.
-LIMITED_EVENTS = ("display_data", "update_display_data", "clear_output")
+LIMITED_EVENTS = ("display_data", "update_display_data", "clear_output", "comm")
+COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
 # Where pip installs inside the sandbox: on its own disk, kept across kernel restarts.
 PACKAGES_PREFIX = "~/.local"
 USAGE = "usage: runner.py serve DIR   (clients: runner_client.py)\n"
@@ -149,6 +150,7 @@ class Cell:
         # What the execute_request asked besides the code (set by the daemon when submitted).
         self.allow_stdin = True
         self.user_expressions: dict = {}
+        self.comm: dict | None = None  # a frontend's comm message to deliver instead of running code
         self.started_count: int | None = None  # the count of its started event, once it runs
         self.stored = False  # whether it takes an execution count (known once it runs)
         self.finished = False
@@ -533,6 +535,63 @@ def _make_cell_stream(router: OutputRouter, name: str, fd: int) -> io.TextIOBase
             return False
 
     return CellStream()
+
+
+class CommBridge:
+    """Jupyter comms in the sandbox (ipywidgets and the like), through the `comm` package
+    when it is installed: its create_comm and get_comm_manager are pointed here. What a
+    comm sends becomes a `comm` event of the running cell (buffers as base64); what the
+    frontend sends arrives as a run whose request has a `comm` field (Daemon._run_user_code),
+    so handlers run in the main thread like cells, and their events have that run's parent."""
+
+    def __init__(self, router: OutputRouter):
+        self.manager = None
+        try:
+            import comm
+            from comm.base_comm import BaseComm, CommManager
+        except ImportError:
+            return
+
+        class EventComm(BaseComm):
+            def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
+                content = dict(keys, data=data if data is not None else {}, comm_id=self.comm_id)
+                router.emit("comm", msg_type=msg_type, content=content, metadata=metadata or {},
+                            buffers=[base64.b64encode(bytes(buffer)).decode("ascii") for buffer in buffers or []])
+
+        self.manager = CommManager()
+        comm.create_comm = EventComm
+        comm.get_comm_manager = lambda: self.manager
+
+    def deliver(self, message: dict) -> None:
+        """The frontend's comm_open, comm_msg or comm_close (validated by the daemon)."""
+        if self.manager is None:
+            return  # no comm package in this sandbox: nothing can be listening
+        msg = {"header": {"msg_type": message["msg_type"]}, "parent_header": {}, "metadata": message["metadata"],
+               "content": message["content"], "buffers": [memoryview(buffer) for buffer in message["buffers"]]}
+        getattr(self.manager, message["msg_type"])(None, None, msg)
+
+    def info(self, target_name: object) -> dict:
+        """comm_info_reply's comms: the open ones, of one target or all."""
+        if self.manager is None:
+            return {}
+        return {comm_id: {"target_name": comm.target_name} for comm_id, comm in list(self.manager.comms.items())
+                if target_name is None or comm.target_name == target_name}
+
+
+def _comm_message(request: object) -> dict | None:
+    """A frontend comm message from a run request, checked, buffers decoded; None if absent."""
+    if request is None:
+        return None
+    if not (isinstance(request, dict) and request.get("msg_type") in COMM_MESSAGES
+            and isinstance(request.get("content"), dict) and isinstance(request["content"].get("comm_id"), str)):
+        raise ValueError("a comm request needs msg_type (comm_open/msg/close) and content with a comm_id")
+    buffers = request.get("buffers") or []
+    metadata = request.get("metadata") or {}
+    if not isinstance(buffers, list) or not all(isinstance(buffer, str) for buffer in buffers) \
+            or not isinstance(metadata, dict):
+        raise ValueError("comm buffers must be base64 strings and metadata an object")
+    return {"msg_type": request["msg_type"], "content": request["content"], "metadata": metadata,
+            "buffers": [base64.b64decode(buffer) for buffer in buffers]}
 
 
 class InputBridge:
@@ -1211,6 +1270,7 @@ class Daemon:
         self.engine = self._create_engine()
         self.inputs = InputBridge(self.router)
         self.inputs.install()
+        self.comms = CommBridge(self.router)
         # SIGINT is ignored between cells and a KeyboardInterrupt during them.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, lambda signum, frame: self._exit())
@@ -1348,6 +1408,9 @@ class Daemon:
             self._running = cell
         signal.signal(signal.SIGINT, self._on_interrupt)
         try:
+            if cell.comm is not None:
+                self.comms.deliver(cell.comm)  # its handlers log their own errors
+                return True
             return await self.engine.run(cell.code, cell.silent, stored, count)
         except KeyboardInterrupt:  # landed in engine code rather than in the user's
             self.router.emit("error", ename="KeyboardInterrupt", evalue="", traceback=[])
@@ -1432,12 +1495,14 @@ class Daemon:
         with self._lock:
             cell = self._cells.get(cell_id)
             if cell is None:
+                comm_message = _comm_message(request.get("comm"))  # checked before anything is made
                 code = request["code"] if "code" in request else _take_code_file(request["code_file"])
                 count = request.get("execution_count")
                 cell = Cell(cell_id, code, bool(request.get("silent")), bool(request.get("store_history", True)),
                             os.path.join(self.journal_dir, cell_id + ".ndjson"),
                             count if isinstance(count, int) else None, OutputBudget.from_request(request))
                 cell.allow_stdin = bool(request.get("allow_stdin", True))
+                cell.comm = comm_message
                 expressions = request.get("user_expressions")
                 if isinstance(expressions, dict):
                     cell.user_expressions = {str(k): str(v) for k, v in expressions.items()}
@@ -1474,6 +1539,8 @@ class Daemon:
             return {"ok": True}
         if op == "usage":
             return self._usage.sample()
+        if op == "comm_info":
+            return {"comms": self.comms.info(request.get("target_name"))}
         if op == "fork":
             return self._fork(request)
         raise ValueError("unknown op %r" % (op,))

@@ -269,3 +269,51 @@ def test_the_kernel_exits_by_itself_after_shutdown_reply(kernelspec: str) -> Non
             assert interrupted.reply["content"]["ename"] == "KeyboardInterrupt"
             process = km.provisioner.process
         assert process.returncode == 0, "killed by jupyter_client: it lingered after shutdown_reply"
+
+
+# -- 11. comms --------------------------------------------------------------------------------
+
+def comm_messages(result: Execution) -> list[dict[str, Any]]:
+    return [m for m in result.messages if m["msg_type"].startswith("comm_")]
+
+
+def test_a_comm_opened_in_the_sandbox_reaches_the_frontend(kc: BlockingKernelClient) -> None:
+    opened = run(kc, "import comm\n"
+                     "c = comm.create_comm(target_name='sandbox-test', data={'hello': 1}, buffers=[b'\\x00\\x01bin'])\n"
+                     "c.send({'n': 2}, buffers=[b'\\xff' * 3])")
+    comm_open, comm_msg = comm_messages(opened)
+    for msg in (comm_open, comm_msg):
+        validate(msg)
+        assert msg["parent_header"]["msg_id"] == opened.reply["parent_header"]["msg_id"]
+    assert comm_open["msg_type"] == "comm_open" and comm_open["content"]["target_name"] == "sandbox-test"
+    assert comm_open["content"]["data"] == {"hello": 1} and comm_open["buffers"] == [b"\x00\x01bin"]
+    assert comm_msg["content"] == {"comm_id": comm_open["content"]["comm_id"], "data": {"n": 2}}
+    assert comm_msg["buffers"] == [b"\xff\xff\xff"]
+    info = kc.comm_info("sandbox-test", reply=True, timeout=TIMEOUT)["content"]
+    assert info == {"status": "ok", "comms": {comm_open["content"]["comm_id"]: {"target_name": "sandbox-test"}}}
+
+
+def test_the_frontends_comm_messages_reach_the_sandbox(kc: BlockingKernelClient) -> None:
+    run(kc, "import comm\nreceived = []\n"
+            "def on_open(c, msg):\n"
+            "    received.append(('open', msg['content']['data'], [bytes(b) for b in msg['buffers']]))\n"
+            "    def on_msg(m):\n"
+            "        received.append(('msg', m['content']['data'], [bytes(b) for b in m['buffers']]))\n"
+            "        c.send({'echo': m['content']['data']}, buffers=m['buffers'])\n"
+            "    c.on_msg(on_msg)\n"
+            "comm.get_comm_manager().register_target('echo', on_open)")
+    socket = kc.shell_channel.socket
+    kc.session.send(socket, "comm_open", {"comm_id": "c-1", "target_name": "echo", "data": {"a": 1}},
+                    buffers=[b"\x01\x02"])
+    sent = kc.session.send(socket, "comm_msg", {"comm_id": "c-1", "data": {"b": 2}}, buffers=[b"\x00" * 5])
+    echo = None
+    while echo is None:
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        if msg["msg_type"] == "comm_msg" and msg["parent_header"].get("msg_id") == sent["header"]["msg_id"]:
+            echo = msg
+    validate(echo)
+    assert echo["content"] == {"comm_id": "c-1", "data": {"echo": {"b": 2}}} and echo["buffers"] == [b"\x00" * 5]
+    assert run(kc, "print(received)").text() == \
+        "[('open', {'a': 1}, [b'\\x01\\x02']), ('msg', {'b': 2}, [b'\\x00\\x00\\x00\\x00\\x00'])]\n"
+    kc.session.send(socket, "comm_close", {"comm_id": "c-1", "data": {}})
+    assert "c-1" not in kc.comm_info(reply=True, timeout=TIMEOUT)["content"]["comms"]
