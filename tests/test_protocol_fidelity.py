@@ -317,3 +317,22 @@ def test_the_frontends_comm_messages_reach_the_sandbox(kc: BlockingKernelClient)
         "[('open', {'a': 1}, [b'\\x01\\x02']), ('msg', {'b': 2}, [b'\\x00\\x00\\x00\\x00\\x00'])]\n"
     kc.session.send(socket, "comm_close", {"comm_id": "c-1", "data": {}})
     assert "c-1" not in kc.comm_info(reply=True, timeout=TIMEOUT)["content"]["comms"]
+
+
+def test_a_slider_moved_in_the_frontend_reaches_its_observer(kc: BlockingKernelClient) -> None:
+    shown = run(kc, "import ipywidgets\nslider = ipywidgets.IntSlider(value=1)\n"
+                    "slider.observe(lambda change: print('now', change['new']), names='value')\nslider")
+    [view] = shown.of_type("execute_result")
+    model_id = view["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+    opened = [m["content"] for m in comm_messages(shown) if m["msg_type"] == "comm_open"]
+    assert model_id in [content["comm_id"] for content in opened]
+    # What JupyterLab sends when the user drags the slider to 7.
+    sent = kc.session.send(kc.shell_channel.socket, "comm_msg", {"comm_id": model_id, "data": {
+        "method": "update", "state": {"value": 7}, "buffer_paths": []}})
+    printed = ""
+    while printed != "now 7\n":
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        if msg["msg_type"] == "stream" and msg["parent_header"].get("msg_id") == sent["header"]["msg_id"]:
+            validate(msg)
+            printed += msg["content"]["text"]
+    assert run(kc, "slider.value").of_type("execute_result")[0]["data"]["text/plain"] == "7"
