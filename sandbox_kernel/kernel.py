@@ -34,6 +34,7 @@ from .config import ConfigError, Settings
 from .history import open_history
 from .magics import PIP_COMMAND, MagicError, SandboxMagics, Segment, split_cell
 from .output import CellOutput, OutputGuard
+from .usage import usage_reply
 from .shutdown_policy import farewell
 from .paths import state_dir, write_private
 from .session import RESTART_HANDOFF_WAIT, SandboxSession, SessionError
@@ -155,7 +156,7 @@ class SandboxKernel(Kernel):
             line.update(self._ready_line())
             self.ready_shown = True
         await self.boot  # raises the start-up error, if any
-        if self.settings.show_ready and not self.ready_shown and not silent:
+        if self.settings and self.settings.show_ready and not self.ready_shown and not silent:
             out.progress(self._ready_line())
             self.ready_shown = True
         assert self.sandbox is not None
@@ -404,6 +405,7 @@ class SandboxKernel(Kernel):
     async def _sandbox_usage(self) -> dict[str, Any]:
         if not self._sandbox_ready():
             return {}
+        assert self.sandbox is not None
         sample = await self.sandbox.runner_request({"op": "usage"})
         sandbox_id = self.sandbox.sandbox_id or ""
         if sandbox_id not in self.memory_limits:
@@ -429,6 +431,8 @@ class SandboxKernel(Kernel):
                                         fields={"comm": message})
         except Exception as exc:  # no reply to send: the frontend learns nothing, the log does
             log.warning("%s not delivered: %s", message["msg_type"], exc)
+        finally:
+            translate.flush_input_tasks()
 
     async def comm_info_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
         target_name = parent["content"].get("target_name")
@@ -555,31 +559,6 @@ class SandboxKernel(Kernel):
         if time.time() - info.get("time", 0) > HANDOFF_MAX_AGE or "sandbox_id" not in info:
             return None
         return info
-
-
-def usage_reply(sample: dict[str, Any], memory_limit: int) -> dict[str, Any]:
-    """ipykernel's usage_reply fields from the runner's sample (runner.UsageMeter). The
-    sandbox's memory is its shape's; where that is less than the machine it runs on shows
-    (a local sandbox sees the host's /proc/meminfo), what its processes hold is what it uses.
-    Only numbers are taken: the sample comes from the sandbox."""
-    def number(value: Any) -> float | None:
-        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-    reply: dict[str, Any] = {"hostname": str(sample.get("hostname", ""))[:256]}
-    for field in ("pid", "cpu_count", "kernel_cpu", "kernel_memory", "host_cpu_percent"):
-        if number(sample.get(field)) is not None:
-            reply[field] = sample[field]
-    meminfo = sample.get("meminfo") if isinstance(sample.get("meminfo"), dict) else {}
-    machine, available = number(meminfo.get("total")), number(meminfo.get("available"))
-    if machine is None or available is None:
-        return reply
-    if memory_limit and memory_limit < machine:
-        total, used = memory_limit, min(number(sample.get("sandbox_processes_memory")) or 0, memory_limit)
-    else:
-        total, used = machine, machine - available
-    reply["host_virtual_memory"] = {"total": total, "available": total - used, "used": used,
-                                    "free": total - used, "percent": round(100 * used / total, 1) if total else 0.0}
-    return reply
 
 
 def _payload_of(done: dict[str, Any]) -> list[dict[str, Any]]:

@@ -336,3 +336,14 @@ def test_a_slider_moved_in_the_frontend_reaches_its_observer(kc: BlockingKernelC
             validate(msg)
             printed += msg["content"]["text"]
     assert run(kc, "slider.value").of_type("execute_result")[0]["data"]["text/plain"] == "7"
+
+
+def test_usage_reply_takes_only_sane_numbers_from_the_sandbox() -> None:
+    from sandbox_kernel.usage import usage_reply
+
+    sample = {"hostname": "sb", "pid": 7, "kernel_cpu": float("nan"), "kernel_memory": "lots", "cpu_count": True,
+              "meminfo": {"total": 8 * 2**30, "available": 6 * 2**30}, "sandbox_processes_memory": 2**29}
+    assert usage_reply(sample, 2**30) == {"hostname": "sb", "pid": 7, "host_virtual_memory": {
+        "total": 2**30, "available": 2**29, "used": 2**29, "free": 2**29, "percent": 50.0}}
+    # A sandbox that is the whole machine (a micro-VM): its own meminfo.
+    assert usage_reply(sample, 16 * 2**30)["host_virtual_memory"]["used"] == 2 * 2**30
