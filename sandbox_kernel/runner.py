@@ -606,6 +606,7 @@ class InputBridge:
         self._router = router
         self._lock = threading.Lock()
         self._pending: tuple[str, threading.Event, list[str]] | None = None
+        self._no_stdin = _stdin_not_implemented()
 
     def install(self) -> None:
         builtins.input = self.input
@@ -643,7 +644,7 @@ class InputBridge:
         if cell is None:
             raise EOFError("input is only available while a cell runs")
         if not cell.allow_stdin:  # the execute_request said so: fail at once, as ipykernel does
-            raise _stdin_not_implemented()("input() was called, but this frontend does not support input requests")
+            raise self._no_stdin("input() was called, but this frontend does not support input requests")
         answered = threading.Event()
         box: list[str | None] = []
         with self._lock:
