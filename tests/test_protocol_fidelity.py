@@ -14,10 +14,12 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
+from fault_proxy import proxied_engine
 from kernel_helpers import PROVIDER, TIMEOUT, Execution, execute, is_status_line, plain_traceback, running_kernel
 from message_spec import validate
+from sandbox_kernel.local.service import EngineEndpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.kernel]
+pytestmark = pytest.mark.slow
 
 
 def run(kc: BlockingKernelClient, code: str, **kwargs: Any) -> Execution:
@@ -79,6 +81,29 @@ def test_the_ready_line_is_an_opt_in(kernelspec: str, monkeypatch: pytest.Monkey
         [line] = [m for m in run(kc, "1").messages if is_status_line(m)]
         assert f"ready on {PROVIDER}" in line["content"]["data"]["text/plain"]
         assert not [m for m in run(kc, "2").messages if is_status_line(m)]
+
+
+def test_a_slow_start_shows_progress_that_becomes_the_ready_line(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    # CreateOS answers the create with "429, retry after 16 s"; the cell is sent at once,
+    # without waiting for kernel_info (which waits for the sandbox).
+    slow_down = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+                 b"Retry-After: 16\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
+    with proxied_engine(engine, monkeypatch, create_replies=[slow_down]):
+        km = KernelManager(kernel_name=kernelspec)
+        km.start_kernel()
+        kc = km.client()
+        kc.start_channels()
+        try:
+            first = run(kc, "print('ran')")
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel()
+    lines = [m["content"] for m in first.messages if is_status_line(m)]
+    assert lines[0]["data"]["text/plain"] == "Starting a sandbox on CreateOS…"
+    assert "ready on CreateOS" in lines[-1]["data"]["text/plain"]
+    assert lines[-1]["transient"]["display_id"] == lines[0]["transient"]["display_id"]
+    assert first.text() == "ran\n"
 
 
 # -- 2. kernel_info says only what works ----------------------------------------------------
