@@ -1163,7 +1163,31 @@ def _build_ipython_shell(emit, current_count):
     config.HistoryManager.hist_file = ":memory:"  # no sqlite file, no history-saving thread
     shell = EventShell.instance(config=config)
     _use_interruptible_pdb()
+    _register_edit_magic(shell)
     return shell
+
+
+def _register_edit_magic(shell) -> None:
+    """%edit (and its alias %ed) as under ipykernel: no editor in the sandbox to wait for (IPython's own
+    would start one without a terminal), so the frontend is told which file to open, an
+    `edit_magic` payload, and nothing runs. The path is the sandbox's."""
+    from IPython.core.magic import Magics, line_magic, magics_class
+    from IPython.core.magics.code import CodeMagics, MacroToEdit
+
+    @magics_class
+    class EditMagics(Magics):
+        @line_magic
+        def edit(self, parameter_s=""):
+            opts, args = self.parse_options(parameter_s, "prn:")
+            try:
+                filename, line_number, _ = CodeMagics._find_edit_target(self.shell, args, opts, ["", ""])
+            except MacroToEdit:
+                print("%edit of a macro is not available in a kernel")
+                return
+            self.shell.payload_manager.write_payload({"source": "edit_magic", "line_number": line_number,
+                                                      "filename": os.path.abspath(filename)})
+
+    shell.register_magics(EditMagics)
 
 
 def _page_payload(shell, data, start=0, screen_lines=0):

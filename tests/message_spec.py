@@ -32,6 +32,7 @@ PAYLOADS: dict[str, dict[str, Any]] = {
     "page": {"data": dict, "start": int},
     "set_next_input": {"text": str, "replace": bool},
     "ask_exit": {"keepkernel": bool},
+    "edit_magic": {"filename": str},
 }
 
 

@@ -608,3 +608,12 @@ def test_comms_in_the_sandbox(daemon):
     assert result_text(daemon.run("got")) == "[({'y': 2}, b'\\x01\\x02')]"
     refused = daemon.command("run", {"cell_id": new_cell_id(), "code": "", "comm": {"msg_type": "exec"}})
     assert "comm request" in parse(refused.stdout)[0]["error"]
+
+
+def test_edit_tells_the_frontend_which_file_to_open(ipython_daemon):
+    ipython_daemon.run("with open('edited.py', 'w') as f:\n    f.write('x = 1\\n')")
+    events = ipython_daemon.run("%edit edited.py")
+    [payload] = events[-1]["payload"]
+    assert payload["source"] == "edit_magic" and payload["filename"].endswith("/edited.py")
+    assert events[-1]["status"] == "ok" and not of_type(events, "error")
+    assert ipython_daemon.run("%ed edited.py")[-1]["payload"][0]["source"] == "edit_magic"
