@@ -17,6 +17,14 @@ Client/daemon protocol: the client sends one JSON line ``{"op": ..., ...}``;
 the daemon answers with NDJSON lines (the events of a cell, or exactly one
 reply object) and closes the connection.
 
+Besides the code, a ``run`` request carries what the execute_request asked:
+``allow_stdin`` (false: ``input()`` raises StdinNotImplementedError) and
+``user_expressions`` (evaluated after the cell, returned in its ``done`` event, which
+also carries the cell's ``payload``: pager, next input, edit). A run with a ``comm``
+field delivers a frontend's comm message to the comm manager instead of running code;
+``comm`` events are the messages comms in the sandbox send (buffers in base64).
+One-shot ops ``usage`` and ``comm_info`` answer usage_request and comm_info_request.
+
 Forking: the one-shot op ``{"op": "fork", "join_pid": N | null, "dir": str | null}``
 forks the daemon with os.fork(). The child carries the user's live interpreter
 state, joins the namespaces of process ``join_pid`` (a new sandbox prepared by
