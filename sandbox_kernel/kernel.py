@@ -109,6 +109,9 @@ class SandboxKernel(Kernel):
         self.memory_limits: dict[str, int] = {}  # bytes, per sandbox id (its shape's memory)
         for msg_type in COMM_MESSAGES:  # delivered to the comm manager in the sandbox
             self.shell_handlers[msg_type] = self._comm_from_frontend
+        # ipykernel dispatches comm messages concurrently while a shell message is handled;
+        # they must reach the sandbox in the order they came (a comm_msg after its comm_open).
+        self.comm_order = asyncio.Lock()
         # Client sessions that asked is_complete: terminals (see _frontend_updates_in_place).
         self.terminal_sessions: set[str] = set()
 
@@ -427,8 +430,9 @@ class SandboxKernel(Kernel):
         cell_id = uuid.uuid4().hex
         translate = _EventTranslator(self, self.sandbox, cell_id)
         try:
-            await self.sandbox.run_cell(cell_id, "", translate.handle, silent=True, store_history=False,
-                                        fields={"comm": message})
+            async with self.comm_order:
+                await self.sandbox.run_cell(cell_id, "", translate.handle, silent=True, store_history=False,
+                                            fields={"comm": message})
         except Exception as exc:  # no reply to send: the frontend learns nothing, the log does
             log.warning("%s not delivered: %s", message["msg_type"], exc)
         finally:
