@@ -433,13 +433,17 @@ class SandboxSession:
     async def run_cell(self, cell_id: str, code: str, on_event: EventHandler, *,
                        silent: bool = False, store_history: bool = True,
                        execution_count: int | None = None,
-                       on_resume: Callable[[], Progress] | None = None) -> dict[str, Any]:
+                       on_resume: Callable[[], Progress] | None = None,
+                       fields: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run one cell, calling on_event for every event in order; return its done event.
+
+        fields: more of the execute_request for the runner (allow_stdin, user_expressions).
 
         A paused sandbox is resumed first (CreateOS answers 409 to an exec on it);
         on_resume() is called then, and gives the progress callback for the wait.
         """
-        kwargs = dict(silent=silent, store_history=store_history, execution_count=execution_count)
+        kwargs = dict(silent=silent, store_history=store_history, execution_count=execution_count,
+                      fields=fields or {})
         try:
             return await self._run_cell(cell_id, code, on_event, **kwargs)
         except ConflictError:
@@ -453,10 +457,11 @@ class SandboxSession:
             progress(f"resumed in {time.monotonic() - started:.1f} s")
         return await self._run_cell(cell_id, code, on_event, **kwargs)
 
-    async def _run_cell(self, cell_id: str, code: str, on_event: EventHandler, *,
-                        silent: bool, store_history: bool, execution_count: int | None) -> dict[str, Any]:
+    async def _run_cell(self, cell_id: str, code: str, on_event: EventHandler, *, silent: bool,
+                        store_history: bool, execution_count: int | None,
+                        fields: dict[str, Any]) -> dict[str, Any]:
         client, sandbox_id = self._require()
-        request: dict[str, Any] = {"cell_id": cell_id, "silent": silent,
+        request: dict[str, Any] = {**fields, "cell_id": cell_id, "silent": silent,
                                    "store_history": store_history,
                                    # the runner caps and paces the cell's output with these
                                    "output_limit": self.settings.output_limit,
