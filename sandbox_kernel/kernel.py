@@ -10,6 +10,7 @@ for it, showing a progress line.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import logging
@@ -97,6 +98,9 @@ class SandboxKernel(Kernel):
         self.wait_interrupted = False
         # Client sessions that asked is_complete: terminals (see _frontend_updates_in_place).
         self.terminal_sessions: set[str] = set()
+        # The last cell's translator: output the runner sends between cells (a background
+        # thread's print) is shown on that cell's parent, as ipykernel does.
+        self.last_cell: _EventTranslator | None = None
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -111,6 +115,7 @@ class SandboxKernel(Kernel):
         if self.settings is None:
             raise SessionError(self.config_error or "invalid configuration")
         self.sandbox = SandboxSession(self.settings)
+        self.sandbox.on_background = self._background_event
         handoff = self._take_handoff()
         if handoff:  # a restart: same sandbox, fresh Python, same shutdown policy and sandboxes
             for sandbox_id in handoff.get("owned", []):
@@ -173,6 +178,17 @@ class SandboxKernel(Kernel):
     async def do_execute(self, code: str, silent: bool, store_history: bool = True,
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          **_: Any) -> dict[str, Any]:
+        """Every execute_request gets its reply, whatever is raised on the way."""
+        try:
+            return await self._execute(code, silent, store_history, allow_stdin)
+        except asyncio.CancelledError:
+            raise  # the kernel is shutting down
+        except Exception as exc:  # a bug of ours, or a magic that raised: one line, and the reply
+            log.exception("execute_request failed in the kernel")
+            return self._fail("SandboxError", f"internal error ({type(exc).__name__}: {exc}); "
+                              "details are in the kernel's log")
+
+    async def _execute(self, code: str, silent: bool, store_history: bool, allow_stdin: bool) -> dict[str, Any]:
         if not code.strip():
             return self._ok()
         if store_history and not silent and self.history:
@@ -214,7 +230,7 @@ class SandboxKernel(Kernel):
     async def _run_code(self, session: SandboxSession, code: str, silent: bool,
                         store_history: bool, out: CellOutput) -> dict[str, Any]:
         cell_id = uuid.uuid4().hex
-        translate = _EventTranslator(self, session, cell_id)
+        translate = self.last_cell = _EventTranslator(self, session, cell_id)
         try:
             done = await session.run_cell(
                 cell_id, code, translate.handle, silent=silent, store_history=store_history,
@@ -235,6 +251,11 @@ class SandboxKernel(Kernel):
             return self._ok([{"source": "ask_exit", "keepkernel": False}] if translate.asked_exit else [])
         error = translate.last_error or {"ename": "Error", "evalue": "", "traceback": []}
         return {"status": "error", "execution_count": self.execution_count, **error}
+
+    async def _background_event(self, event: dict[str, Any]) -> None:
+        """Runner output between cells: on the last cell's parent, within its output cap."""
+        if self.last_cell is not None and event.get("type") != "input_request":
+            await self.last_cell.handle(event)
 
     @staticmethod
     async def _best_effort(work: Coroutine[Any, Any, T]) -> T | None:
@@ -426,10 +447,19 @@ class _EventTranslator:
         self.asked_exit = False
         self.input_tasks: list[asyncio.Task[None]] = []
         self.guard = OutputGuard(session.settings.output_limit)
+        # Its cell's request: events that come after the cell (from a background thread)
+        # still belong to it. The events are handled in the channel's reader task, whose
+        # context is not the cell's: stdin requests are made in the cell's (ipykernel
+        # keeps the parent and its ident in context variables).
+        self.parent = kernel.get_parent("shell")
+        self.context = contextvars.copy_context()
+
+    def _send(self, _: Any, msg_type: str, content: dict[str, Any]) -> None:
+        self.kernel.session.send(self.kernel.iopub_socket, msg_type, content, self.parent)
 
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event["type"]
-        send = self.kernel.send_response
+        send = self._send
         iopub = self.kernel.iopub_socket
         if not self.guard.admit(event):
             notice = self.guard.notice()
@@ -453,8 +483,8 @@ class _EventTranslator:
             self.asked_exit = True
         elif kind == "input_request":
             # Don't block the event stream while the user types.
-            self.input_tasks.append(asyncio.get_running_loop().create_task(
-                self._ask(event.get("prompt", ""), event.get("password", False))))
+            self.input_tasks.append(self.context.run(asyncio.get_running_loop().create_task,
+                                                     self._ask(event.get("prompt", ""), event.get("password", False))))
 
     async def _ask(self, prompt: str, password: bool) -> None:
         ask = self.kernel.getpass if password else self.kernel.raw_input

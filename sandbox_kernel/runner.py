@@ -58,6 +58,8 @@ OUTPUT_BURST_SECONDS = 4.0
 # Events that count against the limit (and are dropped past it); the others (results,
 # errors, input requests) are one or few per cell and the kernel needs them.
 LIMITED_EVENTS = ("display_data", "update_display_data", "clear_output")
+BACKGROUND_RETAINED = 4 * 1024 * 1024  # bytes of between-cell events kept for a channel
+BACKGROUND_POLL = 1.0  # seconds a channel's background follower waits before checking it is still open
 # Where pip installs inside the sandbox: on its own disk, kept across kernel restarts.
 PACKAGES_PREFIX = "~/.local"
 USAGE = "usage: runner.py serve DIR   (clients: runner_client.py)\n"
@@ -84,12 +86,13 @@ def serve(state_dir: str) -> int:
 def _import_daemon_modules() -> None:
     """Import the modules the daemon needs (kept out of the module level since clients
     once ran this file too; runner_client.py is the client now)."""
-    global ast, builtins, codecs, getpass, importlib, inspect, io, linecache
+    global ast, builtins, codecs, collections, getpass, importlib, inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
     global tokenize, traceback, types, warnings
     import ast
     import builtins
     import codecs
+    import collections
     import getpass
     import importlib.machinery
     import importlib.util
@@ -201,6 +204,42 @@ class Cell:
         self.code = ""
 
 
+class BackgroundLog:
+    """Output produced while no cell runs (a thread's print, a subprocess), for the
+    channels (see Channel) to pass on: the kernel shows it on the last cell's parent.
+
+    Numbered like a cell's events (seq from 1), with ``"cell": null``; only the newest
+    BACKGROUND_RETAINED bytes are kept, for a channel that starts again after its relay
+    died. It shares the output cap of the cell that ran last (OutputRouter.end).
+    """
+
+    def __init__(self) -> None:
+        self.budget = OutputBudget(DEFAULT_OUTPUT_LIMIT, DEFAULT_OUTPUT_RATE)
+        self._lines: collections.deque = collections.deque()  # (seq, encoded line)
+        self._size = 0
+        self.newest = 0
+        self._changed = threading.Condition()
+
+    def emit(self, type_: str, **fields: object) -> None:
+        with self._changed:
+            self.newest += 1
+            event = {"cell": None, "seq": self.newest, "type": type_}
+            event.update(fields)
+            line = _encode_line(event)
+            self._lines.append((self.newest, line))
+            self._size += len(line)
+            while self._size > BACKGROUND_RETAINED and len(self._lines) > 1:
+                self._size -= len(self._lines.popleft()[1])
+            self._changed.notify_all()
+
+    def read_after(self, after: int, timeout: float) -> list:
+        """The retained (seq, line) pairs with seq > after, waiting up to timeout for one."""
+        with self._changed:
+            if self.newest <= after:
+                self._changed.wait(timeout)
+            return [(seq, line) for seq, line in self._lines if seq > after]
+
+
 class FdCapture:
     """Points file descriptors 1 and 2 at pipes, so that what subprocesses,
     ``!cmd`` and C extensions write is captured like Python-level output.
@@ -251,6 +290,99 @@ class FdCapture:
             if text:
                 chunks.append((name, text))
         return chunks
+
+
+class Channel:
+    """One relay's connection (``runner_client.py channel``): many requests, tagged events.
+
+    The kernel keeps one for its lifetime. Each line it sends is a request: ``run`` (a
+    cell, followed to its ``done`` event; sent again with ``after`` when a relay had to be
+    replaced mid-cell, it only follows the cell from there) or a one-shot op, answered
+    with ``{"reply": id, ...}`` when it carries an ``id``. Every event line names its
+    cell (``"cell": id``, or null for between-cell output: see BackgroundLog). Interrupt
+    and input answers are handled at once, never behind a completion.
+    """
+
+    def __init__(self, daemon: "Daemon", connection: socket.socket) -> None:
+        self._daemon = daemon
+        self._connection = connection
+        self._send_lock = threading.Lock()
+        self.open = True
+
+    def serve(self, reader, request: dict) -> None:
+        background = self._daemon.router.background()
+        after = request.get("background_after")  # absent: from now on
+        self._spawn(self._follow_background, background, after if _is_int_at_least(after, 0) else background.newest)
+        try:
+            for line in reader:
+                if line.strip():
+                    self._dispatch(line)
+        finally:
+            self.open = False
+
+    def _dispatch(self, line: bytes) -> None:
+        request: object = None
+        try:
+            request = json.loads(line)
+            if not isinstance(request, dict):
+                raise ValueError("the request must be a JSON object")
+            op = request.get("op")
+            if op == "run":
+                cell = self._daemon._submit(request)
+                after = request.get("after")
+                self._spawn(self._follow_cell, cell, after if _is_int_at_least(after, 0) else 0)
+            elif op in ("interrupt", "input", "shutdown"):
+                self._answer(request, self._daemon._one_shot(op, request))
+                if op == "shutdown":
+                    self._daemon._exit()
+            else:
+                self._spawn(self._answer_later, request)
+        except Exception as exc:  # a bad request: say why, to whoever asked
+            failure = {"error": "%s: %s" % (type(exc).__name__, exc)}
+            if isinstance(request, dict):
+                failure.update((key, request[key]) for key in ("cell_id", "id") if isinstance(request.get(key), str))
+            self._send(_encode_line(failure))
+
+    def _answer_later(self, request: dict) -> None:
+        try:
+            reply = self._daemon._one_shot(request.get("op"), request)
+        except Exception as exc:
+            reply = {"error": "%s: %s" % (type(exc).__name__, exc)}
+        self._answer(request, reply)
+
+    def _answer(self, request: dict, reply: dict) -> None:
+        if isinstance(request.get("id"), str):
+            self._send(_encode_line(dict(reply, reply=request["id"])))
+
+    def _follow_cell(self, cell: Cell, after: int) -> None:
+        tag = ('{"cell": "%s", ' % cell.cell_id).encode("ascii")  # cell ids are checked: [A-Za-z0-9._-]
+        while self.open:
+            lines, finished = cell.read_after(after, time.monotonic() + BACKGROUND_POLL)
+            if lines:
+                self._send(b"".join(tag + line[1:] for line in lines))
+                after += len(lines)
+            if finished:
+                return
+
+    def _follow_background(self, log: BackgroundLog, after: int) -> None:
+        while self.open:
+            lines = log.read_after(after, BACKGROUND_POLL)
+            if lines:
+                self._send(b"".join(line for _, line in lines))
+                after = lines[-1][0]
+
+    def _send(self, data: bytes) -> None:
+        with self._send_lock:
+            if not self.open:
+                return
+            try:
+                self._connection.sendall(data)
+            except OSError:
+                self.open = False
+
+    @staticmethod
+    def _spawn(target, *args: object) -> None:
+        threading.Thread(target=target, args=args, name=target.__name__, daemon=True).start()
 
 
 def _read_nonblocking(fd: int) -> bytes:
@@ -345,6 +477,8 @@ class OutputRouter:
         self._pending: list[str] = []
         self._pending_size = 0
         self._limit_noticed = False  # whether the current cell was told its output is dropped
+        # Where output goes while no cell runs, once a channel listens (else: the log).
+        self._background: BackgroundLog | None = None
 
     def start_threads(self) -> None:
         for target in (self._read_fds_forever, self._flush_forever):
@@ -373,6 +507,17 @@ class OutputRouter:
         self._capture = capture
         self._lock = threading.Lock()
         self._has_pending = threading.Condition(self._lock)
+        self._background = None  # the parent's channels did not come along
+
+    def background(self) -> BackgroundLog:
+        """The log of between-cell output, which channels follow (made on first use)."""
+        with self._lock:
+            if self._background is None:
+                self._background = BackgroundLog()
+            return self._background
+
+    def _sink(self) -> "Cell | BackgroundLog | None":
+        return self._cell if self._cell is not None else self._background
 
     def begin(self, cell: Cell) -> None:
         with self._lock:
@@ -384,6 +529,9 @@ class OutputRouter:
         with self._lock:
             self._absorb_fd_output()
             self._flush()
+            if self._background is not None and self._cell is not None:
+                # What runs on after the cell (a thread, a subprocess) shares its cap.
+                self._background.budget = self._cell.budget
             self._cell = None
 
     def write(self, name: str, text: str) -> None:
@@ -398,17 +546,18 @@ class OutputRouter:
         with self._lock:
             self._absorb_fd_output()
             self._flush()
-            if self._cell is None:
+            sink = self._sink()
+            if sink is None:
                 self.log("dropped a %s event produced outside of any cell\n" % type_)
                 return
             if type_ not in LIMITED_EVENTS:
-                self._cell.emit(type_, **fields)
+                sink.emit(type_, **fields)
                 return
             size = len(_encode_line(fields))
-            if self._cell.budget.take(size) < size:
+            if sink.budget.take(size) < size:
                 self._notice_limit()
                 return
-            self._cell.emit(type_, **fields)
+            sink.emit(type_, **fields)
             self._pace()
 
     def log(self, text: str) -> None:
@@ -421,7 +570,7 @@ class OutputRouter:
     def _append(self, name: str, text: str) -> None:
         if not text:
             return
-        if self._cell is None:
+        if self._sink() is None:
             _write_all(self._capture.log_fds[name], text.encode("utf-8", "replace"))
             return
         if len(text) > self.MAX_PENDING:  # a long write goes in pieces: no event is huge
@@ -446,11 +595,12 @@ class OutputRouter:
         text = "".join(self._pending)
         self._pending = []
         self._pending_size = 0
-        if self._cell is None:
+        sink = self._sink()
+        if sink is None:
             return
-        allowed = self._cell.budget.take(len(text))
+        allowed = sink.budget.take(len(text))
         if allowed:
-            self._cell.emit("stream", name=self._pending_name, text=text if allowed == len(text) else text[:allowed])
+            sink.emit("stream", name=self._pending_name, text=text if allowed == len(text) else text[:allowed])
         if allowed < len(text):
             self._notice_limit()
         self._pace()
@@ -459,13 +609,14 @@ class OutputRouter:
         """Tell the cell, once, that its output is being dropped from now on."""
         if not self._limit_noticed:
             self._limit_noticed = True
-            self._cell.emit("stream", name="stderr", text=self._cell.budget.notice())
+            sink = self._sink()
+            sink.emit("stream", name="stderr", text=sink.budget.notice())
 
     def _pace(self) -> None:
         """Keep the cell to its output rate by waiting here, holding the lock: every
         source of output (print, display, the fd reader and so subprocesses) waits too.
         An interrupt lands in this sleep, or in the wait for the lock, as anywhere."""
-        delay = self._cell.budget.delay()
+        delay = self._sink().budget.delay()
         if delay:
             time.sleep(delay)
 
@@ -1194,9 +1345,12 @@ class Daemon:
             try:
                 with connection.makefile("rb") as reader:
                     request = json.loads(reader.readline())
-                if not isinstance(request, dict):
-                    raise ValueError("the request must be a JSON object")
-                op = request.get("op")
+                    if not isinstance(request, dict):
+                        raise ValueError("the request must be a JSON object")
+                    op = request.get("op")
+                    if op == "channel":
+                        Channel(self, connection).serve(reader, request)
+                        return
                 if op in ("run", "attach"):
                     self._stream(connection, request)
                     return

@@ -3,9 +3,12 @@
 Everything here goes through SandboxClient (the CreateOS REST API); nothing touches a
 process or file of the sandbox directly, so the same code drives CreateOS and the local
 engine. The runner (runner.py) is uploaded at start and run as a daemon holding the
-user's globals; each cell is one streaming exec of its light client, `runner_client.py
-run`, whose stdout is the cell's NDJSON events. If that stream drops, `run` is sent again with the last event
-seen, and the runner resumes the same cell from there, so nothing is lost or repeated.
+user's globals. The kernel talks to it over one duplex channel (channel.py: a managed
+process relaying requests and events) where the provider has managed processes; where
+it has not (decided once, at the first start), each cell is one streaming exec of the
+runner's light client, `runner_client.py run`, whose stdout is the cell's NDJSON events.
+If that stream drops, `run` is sent again with the last event seen, and the runner
+resumes the same cell from there, so nothing is lost or repeated.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from .api import (
     ServerError,
 )
 from . import names, ownership, pool, shutdown_policy
+from .channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxProcesses
 from .config import Settings, open_client
 from .cost import Cost, Meter
 
@@ -139,6 +143,14 @@ class SandboxSession:
         # Local engine: the OOM kills seen in each sandbox's view (more later = the memory
         # limit killed something since).
         self.oom_kills: dict[str, int] = {}
+        # The channel to the runner (channel.py), or None: one exec per request instead.
+        # Whether the provider has managed processes is learnt once, at the first start.
+        self.channel: RunnerChannel | None = None
+        self.use_channel: bool | None = None
+        self.open_channels = True  # False for a warm pool member: its kernel opens one later
+        # Output the runner sends between cells (a background thread's print): the kernel
+        # shows it on the last cell's parent.
+        self.on_background: EventHandler | None = None
 
     # -- start ----------------------------------------------------------------------------
 
@@ -217,6 +229,7 @@ class SandboxSession:
         member = SandboxSession(replace(self.settings, auto_pause=pool.MEMBER_AUTO_PAUSE, warm_pool=0,
                                         name=None))
         member.client = self._client()
+        member.open_channels = False
         self.making_pool_member = True
         try:
             await member._create()
@@ -261,11 +274,12 @@ class SandboxSession:
                 await self.resume(progress)
             if not fresh_runner:
                 try:
-                    info = await self.runner_request({"op": "info"})
+                    info = await self._exec_request({"op": "info"})
                 except SessionError:
                     info = {}
                 if "python_version" in info:
                     self.runner_info = info
+                    await self._open_channel()
                     return True
             await self.start_runner()
             return False
@@ -300,7 +314,34 @@ class SandboxSession:
                 break
         result = self._check(response, what="the Python runner did not start")
         self.runner_info = json.loads(result.stdout)
+        await self._open_channel()
 
+    async def _open_channel(self, background_seq: int = 0) -> None:
+        """Open the channel to the runner now serving in this sandbox, replacing any other
+        (a background_seq: the same runner, whose between-cell output we saw up to it)."""
+        if not self.open_channels or self.use_channel is False:
+            return
+        client, sandbox_id = self._require()
+        channel = RunnerChannel(
+            SandboxProcesses(client, sandbox_id, SANDBOX_PYTHON),
+            lambda after: runner_client("channel", RUNNER_DIR, *([str(after)] if after else [])),
+            self.settings.output_limit + EVENT_LINE_SLACK, self._background_event, background_seq=background_seq)
+        try:
+            await channel.open()
+        except ChannelUnavailable as exc:
+            if self.use_channel:
+                raise RuntimeError(f"the runner's channel could not start: {exc}") from None
+            log.warning("no managed processes (%s): one exec per cell", exc)
+            self.use_channel = False
+            return
+        self.use_channel = True
+        old, self.channel = self.channel, channel
+        if old is not None:
+            await old.close()
+
+    async def _background_event(self, event: dict[str, Any]) -> None:
+        if self.on_background is not None:
+            await self.on_background(event)
     @staticmethod
     def _check(response: ExecResponse, what: str = "sandbox command failed") -> ExecResult:
         result = response.result
@@ -456,6 +497,7 @@ class SandboxSession:
     async def _run_cell(self, cell_id: str, code: str, on_event: EventHandler, *,
                         silent: bool, store_history: bool, execution_count: int | None) -> dict[str, Any]:
         client, sandbox_id = self._require()
+        await self._channel_up()
         request: dict[str, Any] = {"cell_id": cell_id, "silent": silent,
                                    "store_history": store_history,
                                    # the runner caps and paces the cell's output with these
@@ -469,6 +511,13 @@ class SandboxSession:
             request["code_file"] = code_file
         else:
             request["code"] = code
+        if self.channel is not None:
+            try:
+                return await self.channel.run_cell(cell_id, request, on_event)
+            except ChannelError as exc:
+                if exc.runner_gone:
+                    raise await self._runner_died(RunnerGone(str(exc))) from None
+                raise SessionError(str(exc)) from None
         stream = _EventStream(on_event, self.settings.output_limit + EVENT_LINE_SLACK)
         done = await self._follow(stream, request)
         failures = 0
@@ -520,8 +569,38 @@ class SandboxSession:
             return SessionError(f"cell killed: memory limit {view.mem_mib} MiB reached; {lost}")
         return SessionError(f"the Python runner in the sandbox died ({exc}); {lost}")
 
+    async def _channel_up(self) -> None:
+        """Before a request: a channel that ended is opened again (its runner died: a new one)."""
+        channel = self.channel
+        if channel is None or channel.alive:
+            return
+        if channel.failure is not None and channel.failure.runner_gone:
+            raise await self._runner_died(RunnerGone(str(channel.failure)))
+        await self._open_channel(channel.background_seq)  # only the connection was lost
+
     async def runner_request(self, message: dict[str, Any]) -> dict[str, Any]:
-        """One-shot runner operation (interrupt, input, complete, inspect, info)."""
+        """One-shot runner operation with an answer (complete, inspect, info)."""
+        await self._channel_up()
+        if self.channel is None:
+            return await self._exec_request(message)
+        try:
+            reply = await self.channel.request(message)
+        except (ChannelError, asyncio.TimeoutError) as exc:
+            raise SessionError(f"the Python runner in the sandbox is not answering ({exc})") from None
+        if "error" in reply:
+            raise SessionError(f"the Python runner refused {message.get('op')}: {reply['error']}")
+        return reply
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        """A runner request without an answer: one input line, or one exec without a channel.
+        Sent even while the channel's stream is down (it does not need it)."""
+        if self.channel is not None and self.channel.failure is None:
+            await self.channel.send(message)
+        else:
+            await self._exec_request(message)
+
+    async def _exec_request(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A runner request by one exec of its light client (no channel needed)."""
         client, sandbox_id = self._require()
         response = await client.exec(sandbox_id, SANDBOX_PYTHON,
                                      runner_client("request", RUNNER_DIR, encode_arg(message)))
@@ -531,14 +610,14 @@ class SandboxSession:
         return json.loads(lines[-1])
 
     async def interrupt(self) -> None:
-        await self.runner_request({"op": "interrupt"})
+        await self._send({"op": "interrupt"})
 
     async def send_input(self, cell_id: str, value: str | None) -> None:
         """Answer the pending input(); None means the frontend cannot give input (EOF)."""
         message: dict[str, Any] = {"op": "input", "cell_id": cell_id, "value": value or ""}
         if value is None:
             message["eof"] = True
-        await self.runner_request(message)
+        await self._send(message)
 
     # -- end ------------------------------------------------------------------------------
 
@@ -553,6 +632,7 @@ class SandboxSession:
         if self.client is None:
             return []
         await self._stop_refill()
+        await self._stop_channel()
         try:
             return await shutdown_policy.apply_policy(self.client, policy or self.on_shutdown,
                                                       self.meter.prices, self.kept)
@@ -568,10 +648,18 @@ class SandboxSession:
         owned = ownership.owned_here()
         ownership.await_successor(owned, RESTART_HANDOFF_WAIT)
         await self._stop_refill()
+        await self._stop_channel()
         if self.client is not None:
             await self.client.aclose()
             self.client = None
         return owned
+
+
+    async def _stop_channel(self) -> None:
+        """Stop following the runner (its relay ends with it, or with the sandbox)."""
+        if self.channel is not None:
+            await self.channel.close(kill=False)
+            self.channel = None
 
 
 class _EventStream:
