@@ -35,6 +35,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from . import runner_protocol as protocol
 from .api import (
     APITransportError,
     BoundedLines,
@@ -183,7 +184,7 @@ class RunnerChannel:
         follow = _CellFollow(cell_id, on_event, asyncio.get_running_loop().create_future())
         self._cell = follow
         try:
-            await self.send({**request, "op": "run", "cell_id": cell_id})
+            await self.send({**request, protocol.OP: protocol.RUN, protocol.CELL_ID: cell_id})
             return await follow.done
         finally:
             self._cell = None
@@ -194,7 +195,7 @@ class RunnerChannel:
         request_id = f"r{next(self._ids)}"
         reply = self._replies[request_id] = asyncio.get_running_loop().create_future()
         try:
-            await self.send({**message, "id": request_id})
+            await self.send({**message, protocol.ID: request_id})
             return await asyncio.wait_for(reply, timeout)
         finally:
             self._replies.pop(request_id, None)
@@ -294,10 +295,10 @@ class RunnerChannel:
             await self._dispatch(event)
 
     async def _dispatch(self, event: dict[str, Any]) -> None:
-        reply_to, cell_id, seq = event.get("reply"), event.get("cell"), event.get("seq")
-        if isinstance(reply_to, str) or ("error" in event and "seq" not in event):
+        reply_to, cell_id, seq = event.get(protocol.REPLY), event.get(protocol.CELL), event.get(protocol.SEQ)
+        if isinstance(reply_to, str) or (protocol.ERROR in event and protocol.SEQ not in event):
             self._answer(event)
-        elif "cell" not in event or not isinstance(seq, int) or not isinstance(event.get("type"), str):
+        elif protocol.CELL not in event or not isinstance(seq, int) or not isinstance(event.get(protocol.TYPE), str):
             return  # not an event
         elif cell_id is None:
             if seq > self.background_seq:
@@ -306,7 +307,7 @@ class RunnerChannel:
         elif self._cell is not None and cell_id == self._cell.cell_id and seq > self._cell.last_seq:
             follow = self._cell
             follow.last_seq = seq
-            if event["type"] == "done":
+            if event[protocol.TYPE] == protocol.DONE:
                 if not follow.done.done():
                     follow.done.set_result(event)
             else:
@@ -314,20 +315,20 @@ class RunnerChannel:
 
     def _answer(self, event: dict[str, Any]) -> None:
         """A reply, or an error about a request (with its id or cell), or the relay's last words."""
-        reply = self._replies.get(event.get("reply") or event.get("id"))  # type: ignore[arg-type]
+        reply = self._replies.get(event.get(protocol.REPLY) or event.get(protocol.ID))  # type: ignore[arg-type]
         if reply is not None and not reply.done():
             reply.set_result(event)
             return
-        message = str(event.get("error"))[:500]
-        if self._cell is not None and event.get("cell_id") == self._cell.cell_id:
+        message = str(event.get(protocol.ERROR))[:500]
+        if self._cell is not None and event.get(protocol.CELL_ID) == self._cell.cell_id:
             if not self._cell.done.done():
                 self._cell.done.set_exception(ChannelError(f"the runner refused the cell: {message}"))
-        elif "reply" not in event and "error" in event:
+        elif protocol.REPLY not in event and protocol.ERROR in event:
             self._last_words = message
 
     async def _notice(self, text: str) -> None:
         """One line from the kernel, in the cell in flight (else on the last cell's parent)."""
-        event = {"type": "stream", "name": "stderr", "text": text}
+        event = {protocol.TYPE: protocol.STREAM, "name": "stderr", "text": text}
         if self._cell is not None:
             await self._cell.on_event(event)
         else:

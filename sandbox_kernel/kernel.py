@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
-from . import __version__, ownership
+from . import __version__, ownership, runner_protocol as protocol
 from .api import SandboxAPIError
 from .config import ConfigError, Settings
 from .history import open_history
@@ -322,7 +322,7 @@ class SandboxKernel(Kernel):
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.main_loop))
 
     async def do_complete(self, code: str, cursor_pos: int) -> dict[str, Any]:
-        reply = await self._runner_query({"op": "complete", "code": code, "cursor_pos": cursor_pos})
+        reply = await self._runner_query({protocol.OP: protocol.COMPLETE, "code": code, "cursor_pos": cursor_pos})
         return {"status": "ok", "matches": reply.get("matches", []),
                 "cursor_start": reply.get("cursor_start", cursor_pos),
                 "cursor_end": reply.get("cursor_end", cursor_pos),
@@ -330,7 +330,7 @@ class SandboxKernel(Kernel):
 
     async def do_inspect(self, code: str, cursor_pos: int, detail_level: int = 0,
                          omit_sections: Any = ()) -> dict[str, Any]:
-        reply = await self._runner_query({"op": "inspect", "code": code, "cursor_pos": cursor_pos,
+        reply = await self._runner_query({protocol.OP: protocol.INSPECT, "code": code, "cursor_pos": cursor_pos,
                                           "detail_level": detail_level})
         return {"status": "ok", "found": reply.get("found", False),
                 "data": reply.get("data", {}), "metadata": reply.get("metadata", {})}
@@ -342,7 +342,7 @@ class SandboxKernel(Kernel):
         try:
             return await self.sandbox.runner_request(message)
         except Exception as exc:
-            log.warning("%s failed: %s", message["op"], exc)
+            log.warning("%s failed: %s", message[protocol.OP], exc)
             return {}
 
     async def do_is_complete(self, code: str) -> dict[str, Any]:

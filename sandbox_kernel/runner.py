@@ -35,6 +35,8 @@ import os
 import socket
 import sys
 
+import runner_protocol as protocol  # uploaded next to this file (sandbox_kernel/runner_protocol.py)
+
 SOCKET_NAME = "runner.sock"
 READY_NAME = "ready"
 JOURNAL_DIR_NAME = "cells"
@@ -223,7 +225,7 @@ class BackgroundLog:
     def emit(self, type_: str, **fields: object) -> None:
         with self._changed:
             self.newest += 1
-            event = {"cell": None, "seq": self.newest, "type": type_}
+            event = {protocol.CELL: None, protocol.SEQ: self.newest, protocol.TYPE: type_}
             event.update(fields)
             line = _encode_line(event)
             self._lines.append((self.newest, line))
@@ -311,7 +313,7 @@ class Channel:
 
     def serve(self, reader, request: dict) -> None:
         background = self._daemon.router.background()
-        after = request.get("background_after")  # absent: from now on
+        after = request.get(protocol.BACKGROUND_AFTER)  # absent: from now on
         self._spawn(self._follow_background, background, after if _is_int_at_least(after, 0) else background.newest)
         try:
             for line in reader:
@@ -326,36 +328,37 @@ class Channel:
             request = json.loads(line)
             if not isinstance(request, dict):
                 raise ValueError("the request must be a JSON object")
-            op = request.get("op")
-            if op == "run":
+            op = request.get(protocol.OP)
+            if op == protocol.RUN:
                 cell = self._daemon._submit(request)
-                after = request.get("after")
+                after = request.get(protocol.AFTER)
                 self._spawn(self._follow_cell, cell, after if _is_int_at_least(after, 0) else 0)
-            elif op in ("interrupt", "input", "shutdown"):
+            elif op in protocol.IMMEDIATE_OPS:
                 self._answer(request, self._daemon._one_shot(op, request))
-                if op == "shutdown":
+                if op == protocol.SHUTDOWN:
                     self._daemon._exit()
             else:
                 self._spawn(self._answer_later, request)
         except Exception as exc:  # a bad request: say why, to whoever asked
-            failure = {"error": "%s: %s" % (type(exc).__name__, exc)}
+            failure = {protocol.ERROR: "%s: %s" % (type(exc).__name__, exc)}
             if isinstance(request, dict):
-                failure.update((key, request[key]) for key in ("cell_id", "id") if isinstance(request.get(key), str))
+                failure.update((key, request[key]) for key in (protocol.CELL_ID, protocol.ID)
+                               if isinstance(request.get(key), str))
             self._send(_encode_line(failure))
 
     def _answer_later(self, request: dict) -> None:
         try:
-            reply = self._daemon._one_shot(request.get("op"), request)
+            reply = self._daemon._one_shot(request.get(protocol.OP), request)
         except Exception as exc:
-            reply = {"error": "%s: %s" % (type(exc).__name__, exc)}
+            reply = {protocol.ERROR: "%s: %s" % (type(exc).__name__, exc)}
         self._answer(request, reply)
 
     def _answer(self, request: dict, reply: dict) -> None:
-        if isinstance(request.get("id"), str):
-            self._send(_encode_line(dict(reply, reply=request["id"])))
+        if isinstance(request.get(protocol.ID), str):
+            self._send(_encode_line(dict(reply, **{protocol.REPLY: request[protocol.ID]})))
 
     def _follow_cell(self, cell: Cell, after: int) -> None:
-        tag = ('{"cell": "%s", ' % cell.cell_id).encode("ascii")  # cell ids are checked: [A-Za-z0-9._-]
+        tag = ('{"%s": "%s", ' % (protocol.CELL, cell.cell_id)).encode("ascii")  # ids are checked: [A-Za-z0-9._-]
         while self.open:
             lines, finished = cell.read_after(after, time.monotonic() + BACKGROUND_POLL)
             if lines:
@@ -1347,15 +1350,15 @@ class Daemon:
                     request = json.loads(reader.readline())
                     if not isinstance(request, dict):
                         raise ValueError("the request must be a JSON object")
-                    op = request.get("op")
-                    if op == "channel":
+                    op = request.get(protocol.OP)
+                    if op == protocol.CHANNEL:
                         Channel(self, connection).serve(reader, request)
                         return
-                if op in ("run", "attach"):
+                if op in (protocol.RUN, protocol.ATTACH):
                     self._stream(connection, request)
                     return
                 connection.sendall(_encode_line(self._one_shot(op, request)))
-                if op == "shutdown":
+                if op == protocol.SHUTDOWN:
                     connection.close()
                     self._exit()
             except OSError:
@@ -1372,7 +1375,7 @@ class Daemon:
         # "wait": return after that many seconds even if the cell is not done (polling
         # clients, when the sandbox service cannot stream an exec's output).
         wait = request.get("wait")
-        if request["op"] == "run":
+        if request[protocol.OP] == protocol.RUN:
             cell = self._submit(request)
         else:
             cell = self._cells.get(_checked_cell_id(request.get("cell_id")))
@@ -1414,21 +1417,21 @@ class Daemon:
                 pass
 
     def _one_shot(self, op: object, request: dict) -> dict:
-        if op == "interrupt":
+        if op == protocol.INTERRUPT:
             return {"ok": True, "running": self._interrupt()}
-        if op == "input":
+        if op == protocol.INPUT:
             value = None if request.get("eof") else str(request.get("value", ""))
-            return {"ok": self.inputs.answer(str(request.get("cell_id")), value)}
-        if op == "complete":
+            return {"ok": self.inputs.answer(str(request.get(protocol.CELL_ID)), value)}
+        if op == protocol.COMPLETE:
             return self.engine.complete(request["code"], int(request["cursor_pos"]))
-        if op == "inspect":
+        if op == protocol.INSPECT:
             return self.engine.inspect(request["code"], int(request["cursor_pos"]),
                                        int(request.get("detail_level") or 0))
-        if op == "info":
+        if op == protocol.INFO:
             return dict(self._info(), execution_count=self.engine.execution_count)
-        if op == "shutdown":
+        if op == protocol.SHUTDOWN:
             return {"ok": True}
-        if op == "fork":
+        if op == protocol.FORK:
             return self._fork(request)
         raise ValueError("unknown op %r" % (op,))
 

@@ -33,6 +33,7 @@ import binascii
 import posix
 import sys
 
+# Words of runner_protocol.py, spelled here: this file imports built-in modules only.
 SOCKET_NAME = "runner.sock"  # as in runner.py
 COMMANDS = ("run", "attach", "request")
 USAGE = b"usage: runner_client.py run|attach|request DIR B64JSON | channel DIR [BACKGROUND_AFTER]\n"

@@ -44,18 +44,19 @@ from .api import (
     SandboxView,
     ServerError,
 )
-from . import names, ownership, pool, shutdown_policy
+from . import names, ownership, pool, runner_protocol as protocol, shutdown_policy
 from .channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxProcesses
 from .config import Settings, open_client
 from .cost import Cost, Meter
 
 log = logging.getLogger("sandbox_kernel.session")
 
-RUNNER_SOURCE = Path(__file__).with_name("runner.py")
-RUNNER_CLIENT_SOURCE = Path(__file__).with_name("runner_client.py")
 RUNNER_DIR = "/tmp/sandbox-kernel"
 RUNNER_PATH = f"{RUNNER_DIR}/runner.py"
 RUNNER_CLIENT_PATH = f"{RUNNER_DIR}/runner_client.py"
+# Uploaded at every runner start: the daemon, its protocol module and its light client.
+RUNNER_FILES = {f"{RUNNER_DIR}/{name}": Path(__file__).with_name(name)
+                for name in ("runner.py", "runner_protocol.py", "runner_client.py")}
 SANDBOX_PYTHON = "python3"
 # Keep each exec argument well under Linux's 128 KiB per-argument limit.
 MAX_INLINE_CODE = 64 * 1024
@@ -274,7 +275,7 @@ class SandboxSession:
                 await self.resume(progress)
             if not fresh_runner:
                 try:
-                    info = await self._exec_request({"op": "info"})
+                    info = await self._exec_request({protocol.OP: protocol.INFO})
                 except SessionError:
                     info = {}
                 if "python_version" in info:
@@ -288,14 +289,14 @@ class SandboxSession:
             raise
 
     async def start_runner(self) -> None:
-        """Upload runner.py and its client and start its daemon; an older daemon is stopped first."""
+        """Upload the runner's files and start its daemon; an older daemon is stopped first."""
         client, sandbox_id = self._require()
         self._check(await client.exec(sandbox_id, "mkdir", ["-p", RUNNER_DIR]))
-        await client.upload_file(sandbox_id, RUNNER_PATH, RUNNER_SOURCE.read_bytes())
-        await client.upload_file(sandbox_id, RUNNER_CLIENT_PATH, RUNNER_CLIENT_SOURCE.read_bytes())
+        await asyncio.gather(*(client.upload_file(sandbox_id, path, source.read_bytes())
+                               for path, source in RUNNER_FILES.items()))
         # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
         # the shutdown of a daemon that is not there.
-        stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({"op": "shutdown"}))])
+        stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({protocol.OP: protocol.SHUTDOWN}))])
         script = (f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; "
                   f"nohup setsid {SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR} "
                   f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
@@ -498,7 +499,7 @@ class SandboxSession:
                         silent: bool, store_history: bool, execution_count: int | None) -> dict[str, Any]:
         client, sandbox_id = self._require()
         await self._channel_up()
-        request: dict[str, Any] = {"cell_id": cell_id, "silent": silent,
+        request: dict[str, Any] = {protocol.CELL_ID: cell_id, "silent": silent,
                                    "store_history": store_history,
                                    # the runner caps and paces the cell's output with these
                                    "output_limit": self.settings.output_limit,
@@ -610,11 +611,11 @@ class SandboxSession:
         return json.loads(lines[-1])
 
     async def interrupt(self) -> None:
-        await self._send({"op": "interrupt"})
+        await self._send({protocol.OP: protocol.INTERRUPT})
 
     async def send_input(self, cell_id: str, value: str | None) -> None:
         """Answer the pending input(); None means the frontend cannot give input (EOF)."""
-        message: dict[str, Any] = {"op": "input", "cell_id": cell_id, "value": value or ""}
+        message: dict[str, Any] = {protocol.OP: protocol.INPUT, protocol.CELL_ID: cell_id, "value": value or ""}
         if value is None:
             message["eof"] = True
         await self._send(message)
@@ -756,13 +757,13 @@ class _EventStream:
         except ValueError:  # cut off: the runner died while sending it (its client says so next)
             log.warning("skipped a partial event line from the runner")
             return None
-        if "seq" not in event:  # the runner's client: {"error": ...}
+        if protocol.SEQ not in event:  # the runner's client: {"error": ...}
             raise RunnerGone(str(event.get("error") or event))
-        if event["seq"] <= self.last_seq:
+        if event[protocol.SEQ] <= self.last_seq:
             return None  # replayed by attach: already delivered
-        self.last_seq = event["seq"]
+        self.last_seq = event[protocol.SEQ]
         self.client_failures = 0
-        if event["type"] == "done":
+        if event[protocol.TYPE] == protocol.DONE:
             return event
         await self.on_event(event)
         return None
