@@ -4,6 +4,7 @@ started it, as under ipykernel; requests and cells keep working around it."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 from typing import Any
 
@@ -11,6 +12,8 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from kernel_helpers import execute, running_kernel
+from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
+from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
 
@@ -58,3 +61,28 @@ def test_output_of_a_thread_during_the_next_cell_belongs_to_that_cell(kernelspec
                     "threading.Thread(target=lambda: (go.wait(), print('during', flush=True))).start()")
         during = execute(kc, "go.set(); time.sleep(0.5)")
         assert during.text() == "during\n"
+
+
+def unusable_sandbox(engine: EngineEndpoint) -> str:
+    """A sandbox where no runner can start: its runner directory is taken by a file."""
+    async def make() -> str:
+        async with SandboxClient(engine.url, engine.token) as client:
+            created = await client.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-512mb"))
+            await client.exec(created.id, "sh", ["-c", "touch /tmp/sandbox-kernel"])
+            return created.id
+
+    return asyncio.run(make())
+
+
+def test_a_magic_that_raises_still_gets_its_reply(kernelspec: str, engine: EngineEndpoint) -> None:
+    """`%sandbox attach --fresh` to a sandbox where the runner cannot start raises inside the
+    session (not a SessionError): the cell still gets an execute_reply and one line."""
+    target = unusable_sandbox(engine)
+    with running_kernel(kernelspec) as (_, kc):
+        execute(kc, "x = 'kept'")
+        failed = execute(kc, f"%sandbox attach --fresh {target}")
+        assert failed.reply["content"]["status"] == "error"
+        [line] = failed.text("stderr").splitlines()
+        assert line.startswith("sandbox-kernel: ") and "mkdir" in line
+        # The notebook stays on its sandbox, its variables intact.
+        assert execute(kc, "print(x)").text() == "kept\n"
