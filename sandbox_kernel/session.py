@@ -633,9 +633,11 @@ class SandboxSession:
         if self.client is None:
             return []
         await self._stop_refill()
-        await self._stop_channel()
+        policy = policy or self.on_shutdown
+        # A sandbox that outlives the kernel keeps no relay of ours (the next kernel starts its own).
+        await self._stop_channel(kill=policy != "destroy")
         try:
-            return await shutdown_policy.apply_policy(self.client, policy or self.on_shutdown,
+            return await shutdown_policy.apply_policy(self.client, policy,
                                                       self.meter.prices, self.kept)
         finally:
             for sandbox_id in self.known:
@@ -649,17 +651,18 @@ class SandboxSession:
         owned = ownership.owned_here()
         ownership.await_successor(owned, RESTART_HANDOFF_WAIT)
         await self._stop_refill()
-        await self._stop_channel()
+        await self._stop_channel(kill=False)  # the successor's new runner ends it
         if self.client is not None:
             await self.client.aclose()
             self.client = None
         return owned
 
 
-    async def _stop_channel(self) -> None:
-        """Stop following the runner (its relay ends with it, or with the sandbox)."""
+    async def _stop_channel(self, kill: bool) -> None:
+        """Stop following the runner, and end its relay if `kill` (else it ends with the
+        runner or the sandbox)."""
         if self.channel is not None:
-            await self.channel.close(kill=False)
+            await self.channel.close(kill=kill)
             self.channel = None
 
 
