@@ -13,9 +13,11 @@ The kernel uploads this file into the sandbox and uses it in two roles:
   ``DIR/runner.sock`` and copy its answer, NDJSON, to stdout. B64 is base64 of
   a JSON object, which avoids any quoting problems.
 
-Client/daemon protocol: the client sends one JSON line ``{"op": ..., ...}``;
-the daemon answers with NDJSON lines (the events of a cell, or exactly one
-reply object) and closes the connection.
+Client/daemon protocol (its words: runner_protocol.py, uploaded next to this
+file): the client sends one JSON line ``{"op": ..., ...}``; the daemon answers
+with NDJSON lines (the events of a cell, or exactly one reply object) and
+closes the connection. A relay's connection (``{"op": "channel"}``, see the
+Channel class) stays open instead and carries many requests and tagged events.
 
 Forking: the one-shot op ``{"op": "fork", "join_pid": N | null, "dir": str | null}``
 forks the daemon with os.fork(). The child carries the user's live interpreter
@@ -292,100 +294,6 @@ class FdCapture:
             if text:
                 chunks.append((name, text))
         return chunks
-
-
-class Channel:
-    """One relay's connection (``runner_client.py channel``): many requests, tagged events.
-
-    The kernel keeps one for its lifetime. Each line it sends is a request: ``run`` (a
-    cell, followed to its ``done`` event; sent again with ``after`` when a relay had to be
-    replaced mid-cell, it only follows the cell from there) or a one-shot op, answered
-    with ``{"reply": id, ...}`` when it carries an ``id``. Every event line names its
-    cell (``"cell": id``, or null for between-cell output: see BackgroundLog). Interrupt
-    and input answers are handled at once, never behind a completion.
-    """
-
-    def __init__(self, daemon: "Daemon", connection: socket.socket) -> None:
-        self._daemon = daemon
-        self._connection = connection
-        self._send_lock = threading.Lock()
-        self.open = True
-
-    def serve(self, reader, request: dict) -> None:
-        background = self._daemon.router.background()
-        after = request.get(protocol.BACKGROUND_AFTER)  # absent: from now on
-        self._spawn(self._follow_background, background, after if _is_int_at_least(after, 0) else background.newest)
-        try:
-            for line in reader:
-                if line.strip():
-                    self._dispatch(line)
-        finally:
-            self.open = False
-
-    def _dispatch(self, line: bytes) -> None:
-        request: object = None
-        try:
-            request = json.loads(line)
-            if not isinstance(request, dict):
-                raise ValueError("the request must be a JSON object")
-            op = request.get(protocol.OP)
-            if op == protocol.RUN:
-                cell = self._daemon._submit(request)
-                after = request.get(protocol.AFTER)
-                self._spawn(self._follow_cell, cell, after if _is_int_at_least(after, 0) else 0)
-            elif op in protocol.IMMEDIATE_OPS:
-                self._answer(request, self._daemon._one_shot(op, request))
-                if op == protocol.SHUTDOWN:
-                    self._daemon._exit()
-            else:
-                self._spawn(self._answer_later, request)
-        except Exception as exc:  # a bad request: say why, to whoever asked
-            failure = {protocol.ERROR: "%s: %s" % (type(exc).__name__, exc)}
-            if isinstance(request, dict):
-                failure.update((key, request[key]) for key in (protocol.CELL_ID, protocol.ID)
-                               if isinstance(request.get(key), str))
-            self._send(_encode_line(failure))
-
-    def _answer_later(self, request: dict) -> None:
-        try:
-            reply = self._daemon._one_shot(request.get(protocol.OP), request)
-        except Exception as exc:
-            reply = {protocol.ERROR: "%s: %s" % (type(exc).__name__, exc)}
-        self._answer(request, reply)
-
-    def _answer(self, request: dict, reply: dict) -> None:
-        if isinstance(request.get(protocol.ID), str):
-            self._send(_encode_line(dict(reply, **{protocol.REPLY: request[protocol.ID]})))
-
-    def _follow_cell(self, cell: Cell, after: int) -> None:
-        tag = ('{"%s": "%s", ' % (protocol.CELL, cell.cell_id)).encode("ascii")  # ids are checked: [A-Za-z0-9._-]
-        while self.open:
-            lines, finished = cell.read_after(after, time.monotonic() + BACKGROUND_POLL)
-            if lines:
-                self._send(b"".join(tag + line[1:] for line in lines))
-                after += len(lines)
-            if finished:
-                return
-
-    def _follow_background(self, log: BackgroundLog, after: int) -> None:
-        while self.open:
-            lines = log.read_after(after, BACKGROUND_POLL)
-            if lines:
-                self._send(b"".join(line for _, line in lines))
-                after = lines[-1][0]
-
-    def _send(self, data: bytes) -> None:
-        with self._send_lock:
-            if not self.open:
-                return
-            try:
-                self._connection.sendall(data)
-            except OSError:
-                self.open = False
-
-    @staticmethod
-    def _spawn(target, *args: object) -> None:
-        threading.Thread(target=target, args=args, name=target.__name__, daemon=True).start()
 
 
 def _read_nonblocking(fd: int) -> bytes:
@@ -1176,6 +1084,102 @@ def _use_workspace_packages() -> None:
 
 
 # ----------------------------------------------------------------- daemon
+
+
+class Channel:
+    """One relay's connection (``runner_client.py channel``): many requests, tagged events.
+
+    The kernel keeps one for its lifetime. Each line it sends is a request: ``run`` (a
+    cell, followed to its ``done`` event; sent again with ``after`` when a relay had to be
+    replaced mid-cell, it only follows the cell from there) or a one-shot op, answered
+    with ``{"reply": id, ...}`` when it carries an ``id``. Every event line names its
+    cell (``"cell": id``, or null for between-cell output: see BackgroundLog). Interrupt
+    and input answers are handled at once, never behind a completion.
+    """
+
+    def __init__(self, daemon: "Daemon", connection: socket.socket) -> None:
+        self._daemon = daemon
+        self._connection = connection
+        self._send_lock = threading.Lock()
+        self.open = True
+
+    def serve(self, reader, request: dict) -> None:
+        background = self._daemon.router.background()
+        after = request.get(protocol.BACKGROUND_AFTER)  # absent: from now on
+        self._spawn(self._follow_background, background, after if _is_int_at_least(after, 0) else background.newest)
+        try:
+            for line in reader:
+                if line.strip():
+                    self._dispatch(line)
+        finally:
+            self.open = False
+
+    def _dispatch(self, line: bytes) -> None:
+        request: object = None
+        try:
+            request = json.loads(line)
+            if not isinstance(request, dict):
+                raise ValueError("the request must be a JSON object")
+            op = request.get(protocol.OP)
+            if op == protocol.RUN:
+                cell = self._daemon._submit(request)
+                after = request.get(protocol.AFTER)
+                self._spawn(self._follow_cell, cell, after if _is_int_at_least(after, 0) else 0)
+            elif op in protocol.IMMEDIATE_OPS:
+                self._answer(request, self._daemon._one_shot(op, request))
+                if op == protocol.SHUTDOWN:
+                    self._daemon._exit()
+            else:
+                self._spawn(self._answer_later, request)
+        except Exception as exc:  # a bad request: say why, to whoever asked
+            failure = {protocol.ERROR: "%s: %s" % (type(exc).__name__, exc)}
+            if isinstance(request, dict):
+                failure.update((key, request[key]) for key in (protocol.CELL_ID, protocol.ID)
+                               if isinstance(request.get(key), str))
+            self._send(_encode_line(failure))
+
+    def _answer_later(self, request: dict) -> None:
+        try:
+            reply = self._daemon._one_shot(request.get(protocol.OP), request)
+        except Exception as exc:
+            reply = {protocol.ERROR: "%s: %s" % (type(exc).__name__, exc)}
+        self._answer(request, reply)
+
+    def _answer(self, request: dict, reply: dict) -> None:
+        if isinstance(request.get(protocol.ID), str):
+            self._send(_encode_line(dict(reply, **{protocol.REPLY: request[protocol.ID]})))
+
+    def _follow_cell(self, cell: Cell, after: int) -> None:
+        tag = ('{"%s": "%s", ' % (protocol.CELL, cell.cell_id)).encode("ascii")  # ids are checked: [A-Za-z0-9._-]
+        while self.open:
+            lines, finished = cell.read_after(after, time.monotonic() + BACKGROUND_POLL)
+            if lines:
+                self._send(b"".join(tag + line[1:] for line in lines))
+                after += len(lines)
+            if finished:
+                return
+
+    def _follow_background(self, log: BackgroundLog, after: int) -> None:
+        while self.open:
+            lines = log.read_after(after, BACKGROUND_POLL)
+            if lines:
+                self._send(b"".join(line for _, line in lines))
+                after = lines[-1][0]
+
+    def _send(self, data: bytes) -> None:
+        with self._send_lock:
+            if not self.open:
+                return
+            try:
+                self._connection.sendall(data)
+            except OSError:
+                self.open = False
+
+    @staticmethod
+    def _spawn(target, *args: object) -> None:
+        threading.Thread(target=target, args=args, name=target.__name__, daemon=True).start()
+
+
 
 
 class Daemon:
