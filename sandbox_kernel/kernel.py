@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import hashlib
 import json
 import logging
@@ -28,16 +29,16 @@ from ipykernel.kernelapp import IPKernelApp
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
-from . import __version__, ownership
+from . import __version__, ownership, runner_protocol as protocol
 from .api import SandboxAPIError
 from .config import ConfigError, Settings
 from .history import open_history
 from .magics import PIP_COMMAND, MagicError, SandboxMagics, Segment, split_cell
 from .output import CellOutput, OutputGuard
-from .usage import usage_reply
-from .shutdown_policy import farewell
 from .paths import state_dir, write_private
 from .session import RESTART_HANDOFF_WAIT, SandboxSession, SessionError
+from .shutdown_policy import farewell
+from .usage import usage_reply
 
 log = logging.getLogger("sandbox_kernel.kernel")
 
@@ -114,6 +115,9 @@ class SandboxKernel(Kernel):
         self.comm_order = asyncio.Lock()
         # Client sessions that asked is_complete: terminals (see _frontend_updates_in_place).
         self.terminal_sessions: set[str] = set()
+        # The last cell's translator: output the runner sends between cells (a background
+        # thread's print) is shown on that cell's parent, as ipykernel does.
+        self.last_cell: _EventTranslator | None = None
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -128,6 +132,7 @@ class SandboxKernel(Kernel):
         if self.settings is None:
             raise SessionError(self.config_error or "invalid configuration")
         self.sandbox = SandboxSession(self.settings)
+        self.sandbox.on_background = self._background_event
         handoff = self._take_handoff()
         if handoff:  # a restart: same sandbox, fresh Python, same shutdown policy and sandboxes
             for sandbox_id in handoff.get("owned", []):
@@ -200,6 +205,18 @@ class SandboxKernel(Kernel):
     async def do_execute(self, code: str, silent: bool, store_history: bool = True,
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          **_: Any) -> dict[str, Any]:
+        """Every execute_request gets its reply, whatever is raised on the way."""
+        try:
+            return await self._execute(code, silent, store_history, user_expressions or {}, allow_stdin)
+        except asyncio.CancelledError:
+            raise  # the kernel is shutting down
+        except Exception as exc:  # a bug of ours, or a magic that raised: one line, and the reply
+            log.exception("execute_request failed in the kernel")
+            return self._fail("SandboxError", f"internal error ({type(exc).__name__}: {exc}); "
+                              "details are in the kernel's log")
+
+    async def _execute(self, code: str, silent: bool, store_history: bool,
+                       user_expressions: dict[str, Any], allow_stdin: bool) -> dict[str, Any]:
         if not code.strip() and not user_expressions:
             return self._ok()
         if store_history and not silent and self.history:
@@ -254,7 +271,7 @@ class SandboxKernel(Kernel):
     async def _run_code(self, session: SandboxSession, code: str, silent: bool,
                         store_history: bool, out: CellOutput, fields: dict[str, Any]) -> dict[str, Any]:
         cell_id = uuid.uuid4().hex
-        translate = _EventTranslator(self, session, cell_id)
+        translate = self.last_cell = _EventTranslator(self, session, cell_id)
         try:
             done = await session.run_cell(
                 cell_id, code, translate.handle, silent=silent, store_history=store_history,
@@ -278,6 +295,11 @@ class SandboxKernel(Kernel):
             return self._ok(payload, _user_expressions_of(done))
         error = translate.last_error or {"ename": "Error", "evalue": "", "traceback": []}
         return {"status": "error", "execution_count": self.execution_count, **error}
+
+    async def _background_event(self, event: dict[str, Any]) -> None:
+        """Runner output between cells: on the last cell's parent, within its output cap."""
+        if self.last_cell is not None and event.get("type") != "input_request":
+            await self.last_cell.handle(event)
 
     @staticmethod
     async def _best_effort(work: Coroutine[Any, Any, T]) -> T | None:
@@ -369,7 +391,7 @@ class SandboxKernel(Kernel):
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.main_loop))
 
     async def do_complete(self, code: str, cursor_pos: int) -> dict[str, Any]:
-        reply = await self._runner_query({"op": "complete", "code": code, "cursor_pos": cursor_pos})
+        reply = await self._runner_query({protocol.OP: protocol.COMPLETE, "code": code, "cursor_pos": cursor_pos})
         return {"status": "ok", "matches": reply.get("matches", []),
                 "cursor_start": reply.get("cursor_start", cursor_pos),
                 "cursor_end": reply.get("cursor_end", cursor_pos),
@@ -377,7 +399,7 @@ class SandboxKernel(Kernel):
 
     async def do_inspect(self, code: str, cursor_pos: int, detail_level: int = 0,
                          omit_sections: Any = ()) -> dict[str, Any]:
-        reply = await self._runner_query({"op": "inspect", "code": code, "cursor_pos": cursor_pos,
+        reply = await self._runner_query({protocol.OP: protocol.INSPECT, "code": code, "cursor_pos": cursor_pos,
                                           "detail_level": detail_level})
         return {"status": "ok", "found": reply.get("found", False),
                 "data": reply.get("data", {}), "metadata": reply.get("metadata", {})}
@@ -392,7 +414,7 @@ class SandboxKernel(Kernel):
         try:
             return await self.sandbox.runner_request(message)
         except Exception as exc:
-            log.warning("%s failed: %s", message["op"], exc)
+            log.warning("%s failed: %s", message[protocol.OP], exc)
             return {}
 
     async def usage_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
@@ -409,7 +431,7 @@ class SandboxKernel(Kernel):
         if not self._sandbox_ready():
             return {}
         assert self.sandbox is not None
-        sample = await self.sandbox.runner_request({"op": "usage"})
+        sample = await self.sandbox.runner_request({protocol.OP: protocol.USAGE})
         sandbox_id = self.sandbox.sandbox_id or ""
         if sandbox_id not in self.memory_limits:
             self.memory_limits[sandbox_id] = ((await self.sandbox.view()).mem_mib or 0) * 2**20
@@ -440,7 +462,7 @@ class SandboxKernel(Kernel):
 
     async def comm_info_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
         target_name = parent["content"].get("target_name")
-        answer = await self._runner_query({"op": "comm_info", "target_name": target_name})
+        answer = await self._runner_query({protocol.OP: protocol.COMM_INFO, "target_name": target_name})
         comms = answer.get("comms") if isinstance(answer.get("comms"), dict) else {}
         comms = {str(comm_id): {"target_name": str(info.get("target_name", ""))}
                  for comm_id, info in comms.items() if isinstance(info, dict)}
@@ -592,10 +614,19 @@ class _EventTranslator:
         self.asked_exit = False
         self.input_tasks: list[asyncio.Task[None]] = []
         self.guard = OutputGuard(session.settings.output_limit)
+        # Its cell's request: events that come after the cell (from a background thread)
+        # still belong to it. The events are handled in the channel's reader task, whose
+        # context is not the cell's: stdin requests are made in the cell's (ipykernel
+        # keeps the parent and its ident in context variables).
+        self.parent = kernel.get_parent("shell")
+        self.context = contextvars.copy_context()
+
+    def _send(self, _: Any, msg_type: str, content: dict[str, Any]) -> None:
+        self.kernel.session.send(self.kernel.iopub_socket, msg_type, content, self.parent)
 
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event["type"]
-        send = self.kernel.send_response
+        send = self._send
         iopub = self.kernel.iopub_socket
         if not self.guard.admit(event):
             notice = self.guard.notice()
@@ -615,14 +646,14 @@ class _EventTranslator:
             self.last_error = {"ename": event["ename"], "evalue": event["evalue"],
                                "traceback": event["traceback"]}
             send(iopub, "error", self.last_error)
-        elif kind == "comm":
+        elif kind == protocol.COMM:
             self._forward_comm(event)
         elif kind == "ask_exit":
             self.asked_exit = True
         elif kind == "input_request":
             # Don't block the event stream while the user types.
-            self.input_tasks.append(asyncio.get_running_loop().create_task(
-                self._ask(event.get("prompt", ""), event.get("password", False))))
+            self.input_tasks.append(self.context.run(asyncio.get_running_loop().create_task,
+                                                     self._ask(event.get("prompt", ""), event.get("password", False))))
 
     def _forward_comm(self, event: dict[str, Any]) -> None:
         """A message of a comm in the sandbox, to the frontend, binary buffers restored."""

@@ -13,9 +13,11 @@ The kernel uploads this file into the sandbox and uses it in two roles:
   ``DIR/runner.sock`` and copy its answer, NDJSON, to stdout. B64 is base64 of
   a JSON object, which avoids any quoting problems.
 
-Client/daemon protocol: the client sends one JSON line ``{"op": ..., ...}``;
-the daemon answers with NDJSON lines (the events of a cell, or exactly one
-reply object) and closes the connection.
+Client/daemon protocol (its words: runner_protocol.py, uploaded next to this
+file): the client sends one JSON line ``{"op": ..., ...}``; the daemon answers
+with NDJSON lines (the events of a cell, or exactly one reply object) and
+closes the connection. A relay's connection (``{"op": "channel"}``, see the
+Channel class) stays open instead and carries many requests and tagged events.
 
 Besides the code, a ``run`` request carries what the execute_request asked:
 ``allow_stdin`` (false: ``input()`` raises StdinNotImplementedError) and
@@ -43,6 +45,8 @@ import os
 import socket
 import sys
 
+import runner_protocol as protocol  # uploaded next to this file (sandbox_kernel/runner_protocol.py)
+
 SOCKET_NAME = "runner.sock"
 READY_NAME = "ready"
 JOURNAL_DIR_NAME = "cells"
@@ -67,6 +71,8 @@ OUTPUT_BURST_SECONDS = 4.0
 # errors, input requests) are one or few per cell and the kernel needs them.
 LIMITED_EVENTS = ("display_data", "update_display_data", "clear_output", "comm")
 COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
+BACKGROUND_RETAINED = 4 * 1024 * 1024  # bytes of between-cell events kept for a channel
+BACKGROUND_POLL = 1.0  # seconds a channel's background follower waits before checking it is still open
 # Where pip installs inside the sandbox: on its own disk, kept across kernel restarts.
 PACKAGES_PREFIX = "~/.local"
 USAGE = "usage: runner.py serve DIR   (clients: runner_client.py)\n"
@@ -97,13 +103,14 @@ def serve(state_dir: str) -> int:
 def _import_daemon_modules() -> None:
     """Import the modules the daemon needs (kept out of the module level since clients
     once ran this file too; runner_client.py is the client now)."""
-    global ast, asyncio, builtins, codecs, getpass, importlib, inspect, io, linecache
+    global ast, asyncio, builtins, codecs, collections, getpass, importlib, inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
     global tokenize, traceback, types, warnings
     import ast
     import asyncio
     import builtins
     import codecs
+    import collections
     import getpass
     import importlib.machinery
     import importlib.util
@@ -217,6 +224,42 @@ class Cell:
             done["execution_count"] = self.started_count
         self.emit("done", **done)
         self.code = ""
+
+
+class BackgroundLog:
+    """Output produced while no cell runs (a thread's print, a subprocess), for the
+    channels (see Channel) to pass on: the kernel shows it on the last cell's parent.
+
+    Numbered like a cell's events (seq from 1), with ``"cell": null``; only the newest
+    BACKGROUND_RETAINED bytes are kept, for a channel that starts again after its relay
+    died. It shares the output cap of the cell that ran last (OutputRouter.end).
+    """
+
+    def __init__(self) -> None:
+        self.budget = OutputBudget(DEFAULT_OUTPUT_LIMIT, DEFAULT_OUTPUT_RATE)
+        self._lines: collections.deque = collections.deque()  # (seq, encoded line)
+        self._size = 0
+        self.newest = 0
+        self._changed = threading.Condition()
+
+    def emit(self, type_: str, **fields: object) -> None:
+        with self._changed:
+            self.newest += 1
+            event = {protocol.CELL: None, protocol.SEQ: self.newest, protocol.TYPE: type_}
+            event.update(fields)
+            line = _encode_line(event)
+            self._lines.append((self.newest, line))
+            self._size += len(line)
+            while self._size > BACKGROUND_RETAINED and len(self._lines) > 1:
+                self._size -= len(self._lines.popleft()[1])
+            self._changed.notify_all()
+
+    def read_after(self, after: int, timeout: float) -> list:
+        """The retained (seq, line) pairs with seq > after, waiting up to timeout for one."""
+        with self._changed:
+            if self.newest <= after:
+                self._changed.wait(timeout)
+            return [(seq, line) for seq, line in self._lines if seq > after]
 
 
 class FdCapture:
@@ -364,6 +407,8 @@ class OutputRouter:
         self._pending_size = 0
         self._limit_noticed = False  # whether the current cell was told its output is dropped
         self._pid = os.getpid()  # a process forked by cell code (multiprocessing) is not this one
+        # Where output goes while no cell runs, once a channel listens (else: the log).
+        self._background: BackgroundLog | None = None
 
     def start_threads(self) -> None:
         for target in (self._read_fds_forever, self._flush_forever):
@@ -393,6 +438,17 @@ class OutputRouter:
         self._lock = threading.Lock()
         self._has_pending = threading.Condition(self._lock)
         self._pid = os.getpid()
+        self._background = None  # the parent's channels did not come along
+
+    def background(self) -> BackgroundLog:
+        """The log of between-cell output, which channels follow (made on first use)."""
+        with self._lock:
+            if self._background is None:
+                self._background = BackgroundLog()
+            return self._background
+
+    def _sink(self) -> "Cell | BackgroundLog | None":
+        return self._cell if self._cell is not None else self._background
 
     def begin(self, cell: Cell) -> None:
         with self._lock:
@@ -404,6 +460,9 @@ class OutputRouter:
         with self._lock:
             self._absorb_fd_output()
             self._flush()
+            if self._background is not None and self._cell is not None:
+                # What runs on after the cell (a thread, a subprocess) shares its cap.
+                self._background.budget = self._cell.budget
             self._cell = None
 
     def write(self, name: str, text: str) -> None:
@@ -423,17 +482,18 @@ class OutputRouter:
         with self._lock:
             self._absorb_fd_output()
             self._flush()
-            if self._cell is None:
+            sink = self._sink()
+            if sink is None:
                 self.log("dropped a %s event produced outside of any cell\n" % type_)
                 return
             if type_ not in LIMITED_EVENTS:
-                self._cell.emit(type_, **fields)
+                sink.emit(type_, **fields)
                 return
             size = len(_encode_line(fields))
-            if self._cell.budget.take(size) < size:
+            if sink.budget.take(size) < size:
                 self._notice_limit()
                 return
-            self._cell.emit(type_, **fields)
+            sink.emit(type_, **fields)
             self._pace()
 
     def log(self, text: str) -> None:
@@ -446,7 +506,7 @@ class OutputRouter:
     def _append(self, name: str, text: str) -> None:
         if not text:
             return
-        if self._cell is None:
+        if self._sink() is None:
             _write_all(self._capture.log_fds[name], text.encode("utf-8", "replace"))
             return
         if len(text) > self.MAX_PENDING:  # a long write goes in pieces: no event is huge
@@ -471,11 +531,12 @@ class OutputRouter:
         text = "".join(self._pending)
         self._pending = []
         self._pending_size = 0
-        if self._cell is None:
+        sink = self._sink()
+        if sink is None:
             return
-        allowed = self._cell.budget.take(len(text))
+        allowed = sink.budget.take(len(text))
         if allowed:
-            self._cell.emit("stream", name=self._pending_name, text=text if allowed == len(text) else text[:allowed])
+            sink.emit("stream", name=self._pending_name, text=text if allowed == len(text) else text[:allowed])
         if allowed < len(text):
             self._notice_limit()
         self._pace()
@@ -484,13 +545,14 @@ class OutputRouter:
         """Tell the cell, once, that its output is being dropped from now on."""
         if not self._limit_noticed:
             self._limit_noticed = True
-            self._cell.emit("stream", name="stderr", text=self._cell.budget.notice())
+            sink = self._sink()
+            sink.emit("stream", name="stderr", text=sink.budget.notice())
 
     def _pace(self) -> None:
         """Keep the cell to its output rate by waiting here, holding the lock: every
         source of output (print, display, the fd reader and so subprocesses) waits too.
         An interrupt lands in this sleep, or in the wait for the lock, as anywhere."""
-        delay = self._cell.budget.delay()
+        delay = self._sink().budget.delay()
         if delay:
             time.sleep(delay)
 
@@ -563,7 +625,7 @@ class CommBridge:
         class EventComm(BaseComm):
             def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
                 content = dict(keys, data=data if data is not None else {}, comm_id=self.comm_id)
-                router.emit("comm", msg_type=msg_type, content=content, metadata=metadata or {},
+                router.emit(protocol.COMM, msg_type=msg_type, content=content, metadata=metadata or {},
                             buffers=[base64.b64encode(bytes(buffer)).decode("ascii") for buffer in buffers or []])
 
         self.manager = CommManager()
@@ -1263,6 +1325,102 @@ def _use_workspace_packages() -> None:
 # ----------------------------------------------------------------- daemon
 
 
+class Channel:
+    """One relay's connection (``runner_client.py channel``): many requests, tagged events.
+
+    The kernel keeps one for its lifetime. Each line it sends is a request: ``run`` (a
+    cell, followed to its ``done`` event; sent again with ``after`` when a relay had to be
+    replaced mid-cell, it only follows the cell from there) or a one-shot op, answered
+    with ``{"reply": id, ...}`` when it carries an ``id``. Every event line names its
+    cell (``"cell": id``, or null for between-cell output: see BackgroundLog). Interrupt
+    and input answers are handled at once, never behind a completion.
+    """
+
+    def __init__(self, daemon: "Daemon", connection: socket.socket) -> None:
+        self._daemon = daemon
+        self._connection = connection
+        self._send_lock = threading.Lock()
+        self.open = True
+
+    def serve(self, reader, request: dict) -> None:
+        background = self._daemon.router.background()
+        after = request.get(protocol.BACKGROUND_AFTER)  # absent: from now on
+        self._spawn(self._follow_background, background, after if _is_int_at_least(after, 0) else background.newest)
+        try:
+            for line in reader:
+                if line.strip():
+                    self._dispatch(line)
+        finally:
+            self.open = False
+
+    def _dispatch(self, line: bytes) -> None:
+        request: object = None
+        try:
+            request = json.loads(line)
+            if not isinstance(request, dict):
+                raise ValueError("the request must be a JSON object")
+            op = request.get(protocol.OP)
+            if op == protocol.RUN:
+                cell = self._daemon._submit(request)
+                after = request.get(protocol.AFTER)
+                self._spawn(self._follow_cell, cell, after if _is_int_at_least(after, 0) else 0)
+            elif op in protocol.IMMEDIATE_OPS:
+                self._answer(request, self._daemon._one_shot(op, request))
+                if op == protocol.SHUTDOWN:
+                    self._daemon._exit()
+            else:
+                self._spawn(self._answer_later, request)
+        except Exception as exc:  # a bad request: say why, to whoever asked
+            failure = {protocol.ERROR: "%s: %s" % (type(exc).__name__, exc)}
+            if isinstance(request, dict):
+                failure.update((key, request[key]) for key in (protocol.CELL_ID, protocol.ID)
+                               if isinstance(request.get(key), str))
+            self._send(_encode_line(failure))
+
+    def _answer_later(self, request: dict) -> None:
+        try:
+            reply = self._daemon._one_shot(request.get(protocol.OP), request)
+        except Exception as exc:
+            reply = {protocol.ERROR: "%s: %s" % (type(exc).__name__, exc)}
+        self._answer(request, reply)
+
+    def _answer(self, request: dict, reply: dict) -> None:
+        if isinstance(request.get(protocol.ID), str):
+            self._send(_encode_line(dict(reply, **{protocol.REPLY: request[protocol.ID]})))
+
+    def _follow_cell(self, cell: Cell, after: int) -> None:
+        tag = ('{"%s": "%s", ' % (protocol.CELL, cell.cell_id)).encode("ascii")  # ids are checked: [A-Za-z0-9._-]
+        while self.open:
+            lines, finished = cell.read_after(after, time.monotonic() + BACKGROUND_POLL)
+            if lines:
+                self._send(b"".join(tag + line[1:] for line in lines))
+                after += len(lines)
+            if finished:
+                return
+
+    def _follow_background(self, log: BackgroundLog, after: int) -> None:
+        while self.open:
+            lines = log.read_after(after, BACKGROUND_POLL)
+            if lines:
+                self._send(b"".join(line for _, line in lines))
+                after = lines[-1][0]
+
+    def _send(self, data: bytes) -> None:
+        with self._send_lock:
+            if not self.open:
+                return
+            try:
+                self._connection.sendall(data)
+            except OSError:
+                self.open = False
+
+    @staticmethod
+    def _spawn(target, *args: object) -> None:
+        threading.Thread(target=target, args=args, name=target.__name__, daemon=True).start()
+
+
+
+
 class Daemon:
     """Holds the user's session: accepts clients on the unix socket in
     background threads and runs queued cells one by one in the main thread
@@ -1482,14 +1640,17 @@ class Daemon:
             try:
                 with connection.makefile("rb") as reader:
                     request = json.loads(reader.readline())
-                if not isinstance(request, dict):
-                    raise ValueError("the request must be a JSON object")
-                op = request.get("op")
-                if op in ("run", "attach"):
+                    if not isinstance(request, dict):
+                        raise ValueError("the request must be a JSON object")
+                    op = request.get(protocol.OP)
+                    if op == protocol.CHANNEL:
+                        Channel(self, connection).serve(reader, request)
+                        return
+                if op in (protocol.RUN, protocol.ATTACH):
                     self._stream(connection, request)
                     return
                 connection.sendall(_encode_line(self._one_shot(op, request)))
-                if op == "shutdown":
+                if op == protocol.SHUTDOWN:
                     connection.close()
                     self._exit()
             except OSError:
@@ -1506,7 +1667,7 @@ class Daemon:
         # "wait": return after that many seconds even if the cell is not done (polling
         # clients, when the sandbox service cannot stream an exec's output).
         wait = request.get("wait")
-        if request["op"] == "run":
+        if request[protocol.OP] == protocol.RUN:
             cell = self._submit(request)
         else:
             cell = self._cells.get(_checked_cell_id(request.get("cell_id")))
@@ -1556,25 +1717,25 @@ class Daemon:
                 pass
 
     def _one_shot(self, op: object, request: dict) -> dict:
-        if op == "interrupt":
+        if op == protocol.INTERRUPT:
             return {"ok": True, "running": self._interrupt()}
-        if op == "input":
+        if op == protocol.INPUT:
             value = None if request.get("eof") else str(request.get("value", ""))
-            return {"ok": self.inputs.answer(str(request.get("cell_id")), value)}
-        if op == "complete":
+            return {"ok": self.inputs.answer(str(request.get(protocol.CELL_ID)), value)}
+        if op == protocol.COMPLETE:
             return self.engine.complete(request["code"], int(request["cursor_pos"]))
-        if op == "inspect":
+        if op == protocol.INSPECT:
             return self.engine.inspect(request["code"], int(request["cursor_pos"]),
                                        int(request.get("detail_level") or 0))
-        if op == "info":
+        if op == protocol.INFO:
             return dict(self._info(), execution_count=self.engine.execution_count)
-        if op == "shutdown":
+        if op == protocol.SHUTDOWN:
             return {"ok": True}
-        if op == "usage":
+        if op == protocol.USAGE:
             return self._usage.sample()
-        if op == "comm_info":
+        if op == protocol.COMM_INFO:
             return {"comms": self.comms.info(request.get("target_name"))}
-        if op == "fork":
+        if op == protocol.FORK:
             return self._fork(request)
         raise ValueError("unknown op %r" % (op,))
 
