@@ -666,8 +666,8 @@ class _EventTranslator:
             log.warning("dropped a comm message with malformed buffers")
             return
         metadata = event.get("metadata") if isinstance(event.get("metadata"), dict) else {}
-        self.kernel.send_response(self.kernel.iopub_socket, event["msg_type"], content, buffers=raw,
-                                  metadata=metadata)
+        self.kernel.session.send(self.kernel.iopub_socket, event["msg_type"], content, self.parent,
+                                 metadata=metadata, buffers=raw)
 
     async def _ask(self, prompt: str, password: bool) -> None:
         await self.session.send_input(self.cell_id, await self.kernel.ask_frontend(prompt, password))
