@@ -344,6 +344,24 @@ def test_the_frontends_comm_messages_reach_the_sandbox(kc: BlockingKernelClient)
     assert "c-1" not in kc.comm_info(reply=True, timeout=TIMEOUT)["content"]["comms"]
 
 
+def test_a_widget_updated_by_a_thread_after_its_cell_reaches_the_frontend(kc: BlockingKernelClient) -> None:
+    """Between cells, the sandbox's comm messages travel on the channel: a progress bar a
+    thread moves after its cell ended is updated in the frontend, on that cell's parent."""
+    shown = run(kc, "import ipywidgets, threading, time\nbar = ipywidgets.IntProgress(max=3)\n"
+                    "def work():\n    time.sleep(0.5)\n    bar.value = 3\n"
+                    "threading.Thread(target=work).start()\nbar")
+    [view] = shown.of_type("execute_result")
+    model_id = view["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+    update = None
+    while update is None:
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        if msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == model_id:
+            update = msg
+    validate(update)
+    assert update["parent_header"]["msg_id"] == shown.reply["parent_header"]["msg_id"]
+    assert update["content"]["data"]["method"] == "update" and update["content"]["data"]["state"] == {"value": 3}
+
+
 def test_a_slider_moved_in_the_frontend_reaches_its_observer(kc: BlockingKernelClient) -> None:
     shown = run(kc, "import ipywidgets\nslider = ipywidgets.IntSlider(value=1)\n"
                     "slider.observe(lambda change: print('now', change['new']), names='value')\nslider")
