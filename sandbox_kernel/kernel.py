@@ -49,6 +49,10 @@ BOOT_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
 CONTROL_THREAD_WAIT = 5.0  # at exit, for the control thread to finish its last message
 USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
+# The request whose cell is running: an execute_request may come on the control channel too,
+# and its cell then runs on the shell's loop (where the sandbox session lives), so its
+# outputs must not take the shell's parent from there.
+REQUEST_PARENT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("request_parent")
 COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
 STDIN_POLL = 0.01  # seconds between looks for the frontend's input_reply
 # A cell that waits longer than this for the sandbox to start shows a progress line.
@@ -197,8 +201,12 @@ class SandboxKernel(Kernel):
         input is complete before running it, which notebooks never do: that tells them apart."""
         return self._client_session() not in self.terminal_sessions
 
+    def request_parent(self) -> dict[str, Any]:
+        """The message the output being sent belongs to (see REQUEST_PARENT)."""
+        return REQUEST_PARENT.get(None) or self.get_parent("shell")
+
     def _send_iopub(self, msg_type: str, content: dict[str, Any]) -> None:
-        self.send_response(self.iopub_socket, msg_type, content)
+        self.session.send(self.iopub_socket, msg_type, content, self.request_parent())
 
     # -- execute ---------------------------------------------------------------------------
 
@@ -206,14 +214,18 @@ class SandboxKernel(Kernel):
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          **_: Any) -> dict[str, Any]:
         """Every execute_request gets its reply, whatever is raised on the way."""
+        request = REQUEST_PARENT.set(self.get_parent())  # shell's or control's, by the thread we are on
         try:
-            return await self._execute(code, silent, store_history, user_expressions or {}, allow_stdin)
+            return await self._on_main_loop(
+                self._execute(code, silent, store_history, user_expressions or {}, allow_stdin))
         except asyncio.CancelledError:
             raise  # the kernel is shutting down
         except Exception as exc:  # a bug of ours, or a magic that raised: one line, and the reply
             log.exception("execute_request failed in the kernel")
             return self._fail("SandboxError", f"internal error ({type(exc).__name__}: {exc}); "
                               "details are in the kernel's log")
+        finally:
+            REQUEST_PARENT.reset(request)
 
     async def _execute(self, code: str, silent: bool, store_history: bool,
                        user_expressions: dict[str, Any], allow_stdin: bool) -> dict[str, Any]:
@@ -317,8 +329,7 @@ class SandboxKernel(Kernel):
 
     def _fail(self, ename: str, message: str) -> dict[str, Any]:
         """One clear line in the cell (no traceback: the user did nothing wrong in Python)."""
-        self.send_response(self.iopub_socket, "stream",
-                           {"name": "stderr", "text": f"sandbox-kernel: {message}\n"})
+        self._send_iopub("stream", {"name": "stderr", "text": f"sandbox-kernel: {message}\n"})
         return {"status": "error", "execution_count": self.execution_count,
                 "ename": ename, "evalue": message, "traceback": []}
 
@@ -618,7 +629,7 @@ class _EventTranslator:
         # still belong to it. The events are handled in the channel's reader task, whose
         # context is not the cell's: stdin requests are made in the cell's (ipykernel
         # keeps the parent and its ident in context variables).
-        self.parent = kernel.get_parent("shell")
+        self.parent = kernel.request_parent()
         self.context = contextvars.copy_context()
 
     def _send(self, _: Any, msg_type: str, content: dict[str, Any]) -> None:
@@ -677,24 +688,24 @@ class _EventTranslator:
             task.cancel()
 
 
-class SandboxKernelApp(IPKernelApp):
-    def start(self) -> None:
-        """Once the shell's loop has stopped (a shutdown), let the control thread finish
-        before the process exits. At exit ipykernel stops IOPub first, while the control
-        thread may still be flushing after the shutdown_reply: that flush then waits out its
-        timeout (10 s) for IOPub, and the kernel lingers."""
-        try:
-            super().start()
-        finally:
-            if self.control_thread and self.control_thread.is_alive():
-                self.control_thread.stop()
-                self.control_thread.join(CONTROL_THREAD_WAIT)
-
-
 def main() -> None:
+    """ipykernel's own app (its log lines keep their "[IPKernelApp]" prefix, which tools such
+    as nbclient expect), with one change at exit: once the shell's loop has stopped (a
+    shutdown), let the control thread finish before the process exits. ipykernel stops IOPub
+    first, while the control thread may still be flushing after the shutdown_reply: that
+    flush then waits out its timeout (10 s) for IOPub, and the kernel lingers."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    log.setLevel(logging.INFO)  # the kernel's log says where its sandbox runs
-    SandboxKernelApp.launch_instance(kernel_class=SandboxKernel)
+    app = IPKernelApp.instance(kernel_class=SandboxKernel)
+    app.initialize()
+    # The kernel's own lines (where its sandbox runs) at the app's level: `--debug` or
+    # `--IPKernelApp.log_level=INFO` shows them; by default stderr stays as quiet as ipykernel's.
+    logging.getLogger("sandbox_kernel").setLevel(app.log_level)
+    try:
+        app.start()
+    finally:
+        if app.control_thread and app.control_thread.is_alive():
+            app.control_thread.stop()
+            app.control_thread.join(CONTROL_THREAD_WAIT)
 
 
 if __name__ == "__main__":

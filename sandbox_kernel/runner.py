@@ -714,7 +714,7 @@ class InputBridge:
         if cell is None:
             raise EOFError("input is only available while a cell runs")
         if not cell.allow_stdin:  # the execute_request said so: fail at once, as ipykernel does
-            raise self._no_stdin("input() was called, but this frontend does not support input requests")
+            raise self._no_stdin("raw_input was called, but this frontend does not support input requests.")
         answered = threading.Event()
         box: list[str | None] = []
         with self._lock:

@@ -282,6 +282,29 @@ def test_usage_reply_measures_the_sandbox(kc: BlockingKernelClient) -> None:
     run(kc, "del ballast")
 
 
+# -- execute on the control channel ---------------------------------------------------------
+
+def test_an_execute_request_on_the_control_channel_runs_and_its_output_is_its_own(kc: BlockingKernelClient) -> None:
+    """ipykernel answers execute_request on the control channel too (jupyter clients use it
+    for cells that must not queue behind the shell); the cell runs in the same sandbox."""
+    run(kc, "shared = 41")
+    request = kc.session.msg("execute_request", {"code": "print(shared + 1)", "silent": False})
+    kc.control_channel.send(request)
+    reply = None
+    while reply is None:
+        msg = kc.control_channel.get_msg(timeout=TIMEOUT)
+        if msg["parent_header"].get("msg_id") == request["header"]["msg_id"]:
+            reply = msg
+    validate(reply)
+    assert reply["content"]["status"] == "ok"
+    printed = None
+    while printed is None:
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        if msg["msg_type"] == "stream" and msg["content"]["text"] == "42\n":
+            printed = msg
+    assert printed["parent_header"]["msg_id"] == request["header"]["msg_id"]
+
+
 # -- 12. shutdown -------------------------------------------------------------------------------
 
 def test_the_kernel_exits_by_itself_after_shutdown_reply(kernelspec: str) -> None:
