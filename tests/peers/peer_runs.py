@@ -98,6 +98,13 @@ class Listed:
     # whichever test it hits: for a cause that lands on whichever test comes first.
     failing_with: dict[str, str]
 
+    def not_run_here(self) -> list[str]:
+        """Listed tests that cannot pass here: "cannot apply" and "not built" ones. They are
+        left out of the sandbox run (some wait for replies that never come, some leave threads
+        behind that fail the next test). "open" ones run, so a fix shows as soon as it lands,
+        and so a cause that hits whichever test runs first hits the same test as on ipykernel."""
+        return [item for item, reason in self.tests.items() if not reason.startswith("open:")]
+
     def cause(self, crash: str) -> str | None:
         for pattern, reason in self.failing_with.items():
             if re.fullmatch(pattern, crash):
@@ -121,7 +128,6 @@ class Comparison:
     on_ipykernel: set[str]  # passed on plain ipykernel
     here: Run  # the sandbox kernel's run
     listed: Listed
-    ran_listed: bool  # whether the listed tests ran here too
     # Failed here at first, passed when run again alone: counted as passed, and named.
     second_try: set[str] = field(default_factory=set)
 
@@ -146,9 +152,8 @@ class Comparison:
         lines += [f"  passed here only on a second try: {item}" for item in sorted(self.second_try)]
         lines += [f"  failed for a listed cause: {item} ({reason})"
                   for item, reason in sorted(by_cause.items())]
-        if self.ran_listed:
-            lines += [f"  listed but passing here now (remove from the list): {item}"
-                      for item in sorted(self.listed.tests.keys() & self.passed_here())]
+        lines += [f"  listed but passing here now (remove from the list): {item}"
+                  for item in sorted(self.listed.tests.keys() & self.passed_here())]
         lines += [f"  listed but not passing on ipykernel (stale entry?): {item}"
                   for item in sorted(self.listed.tests.keys() - self.on_ipykernel)]
         lines += [f"  FAILS HERE, passes on ipykernel: {item} ({self.here.crashes.get(item, '')})"
