@@ -64,6 +64,7 @@ class Settings:
     output_limit: int = DEFAULT_OUTPUT_LIMIT_MIB * MIB  # bytes of output a cell may show
     output_rate: int = DEFAULT_OUTPUT_RATE_MIB * MIB  # bytes per second after a burst; 0: no limit
     warm_pool: int = 0  # ready sandboxes kept for starting kernels (pool.py); 0: no pool
+    show_ready: bool = False  # the first cell shows where it runs (off: banner, log, %sandbox status)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None,
@@ -97,7 +98,8 @@ class Settings:
                    egress=options.egress(), auto_pause=options.auto_pause(),
                    output_limit=options.mebibytes("output_limit", DEFAULT_OUTPUT_LIMIT_MIB, 1),
                    output_rate=options.mebibytes("output_rate", DEFAULT_OUTPUT_RATE_MIB, 0),
-                   warm_pool=options.count("warm_pool", MAX_WARM_POOL))
+                   warm_pool=options.count("warm_pool", MAX_WARM_POOL),
+                   show_ready=options.flag("show_ready"))
 
     @property
     def description(self) -> str:
@@ -125,6 +127,7 @@ ENV_VARS = {
     "output_limit": "SANDBOX_KERNEL_OUTPUT_LIMIT",
     "output_rate": "SANDBOX_KERNEL_OUTPUT_RATE",
     "warm_pool": "SANDBOX_KERNEL_WARM_POOL",
+    "show_ready": "SANDBOX_KERNEL_SHOW_READY",
 }
 
 
@@ -210,6 +213,13 @@ class _Options:
         if not 60 <= seconds <= 86400:
             raise ConfigError(f"{self.source('auto_pause')} must be 60-86400 seconds or off, not {text!r}")
         return seconds
+
+    def flag(self, name: str) -> bool:
+        """true/false (also 1/0, yes/no, on/off); false when not set."""
+        text = (self.text(name) or "false").lower()
+        if text not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            raise ConfigError(f"{self.source(name)} must be true or false, not {text!r}")
+        return text in ("true", "1", "yes", "on")
 
     def count(self, name: str, most: int) -> int:
         """A whole number from 0 to `most`; 0 when not set."""

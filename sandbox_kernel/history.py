@@ -26,6 +26,12 @@ class History:
         path.touch(mode=0o600, exist_ok=True)
         # Kernels run in separate processes; SQLite's own locking keeps writers apart.
         self.db = sqlite3.connect(str(path), timeout=10, isolation_level=None)
+        # Recorded on every cell, before it runs: with the default rollback journal each
+        # record is a synced transaction (measured 1 to 20 ms on a busy disk, most of a
+        # trivial cell). A write-ahead log synced only at checkpoints makes it ~20 µs; a
+        # crash of the machine may lose the last few lines of history, nothing else.
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("CREATE TABLE IF NOT EXISTS sessions (session INTEGER PRIMARY KEY, started REAL)")
         self.db.execute("CREATE TABLE IF NOT EXISTS history (session INTEGER, line INTEGER, source TEXT, "
                         "PRIMARY KEY (session, line))")

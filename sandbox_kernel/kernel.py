@@ -4,12 +4,15 @@ Jupyter messages in, runner events out: execute/complete/inspect/interrupt/input
 forwarded to the session (session.py), and each event the runner emits becomes the
 matching iopub message with the request's parent header. is_complete is answered here
 on the host. The sandbox is created as soon as the kernel starts; the first cell waits
-for it, showing a progress line.
+for it, showing a progress line only if the wait is long (a cell shows no output the user
+did not ask for: where the sandbox runs is in the banner, the log and `%sandbox status`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextvars
 import hashlib
 import json
 import logging
@@ -21,18 +24,21 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import zmq
+from ipykernel.kernelapp import IPKernelApp
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
-from . import __version__, ownership
+from . import __version__, ownership, runner_protocol as protocol
 from .api import SandboxAPIError
 from .config import ConfigError, Settings
 from .history import open_history
-from .magics import PIP_COMMAND, MagicError, SandboxMagics, split_cell
+from .magics import PIP_COMMAND, MagicError, SandboxMagics, Segment, split_cell
 from .output import CellOutput, OutputGuard
-from .shutdown_policy import farewell
 from .paths import state_dir, write_private
 from .session import RESTART_HANDOFF_WAIT, SandboxSession, SessionError
+from .shutdown_policy import farewell
+from .usage import usage_reply
 
 log = logging.getLogger("sandbox_kernel.kernel")
 
@@ -41,6 +47,12 @@ HANDOFF_MAX_AGE = RESTART_HANDOFF_WAIT  # a restart hand-off older than this is 
 # a kernel that takes 5 s), then stop waiting and find the sandbox by its name (shutdown_policy.py).
 BOOT_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
+CONTROL_THREAD_WAIT = 5.0  # at exit, for the control thread to finish its last message
+USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
+COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
+STDIN_POLL = 0.01  # seconds between looks for the frontend's input_reply
+# A cell that waits longer than this for the sandbox to start shows a progress line.
+SLOW_START = 2.0
 # Options a kernel argument can set (--SandboxKernel.<name>=...); they win over the
 # environment and the config file.
 KERNEL_ARGUMENTS = ("sandbox_id", "sandbox_name", "on_shutdown", "egress", "shape", "rootfs", "auto_pause",
@@ -57,7 +69,7 @@ class SandboxKernel(Kernel):
     implementation = "sandbox-kernel"
     implementation_version = __version__
     language = "python"
-    banner = "Python in a sandbox (sandbox-kernel)"
+    base_banner = "Python in a sandbox (sandbox-kernel)"
 
     # Kernel arguments (kernel.json argv), e.g. --SandboxKernel.sandbox_id=sb-...; they win
     # over the matching environment variables.
@@ -88,15 +100,24 @@ class SandboxKernel(Kernel):
         # Not `self.session`: that name is jupyter_client's Session in ipykernel.
         self.sandbox: SandboxSession | None = None
         self.boot: asyncio.Task[None] | None = None
-        self.status_shown = False
+        self.ready_shown = False  # the opt-in ready line (show_ready), shown once
         self.main_loop: asyncio.AbstractEventLoop | None = None
         self.history = open_history(state_dir() / "history.sqlite")
         # A wait an interrupt may cut short (the sandbox start, a magic's pause or fork):
         # the service carries on; only the cell stops waiting.
         self.interruptible: asyncio.Future[Any] | None = None
         self.wait_interrupted = False
+        self.memory_limits: dict[str, int] = {}  # bytes, per sandbox id (its shape's memory)
+        for msg_type in COMM_MESSAGES:  # delivered to the comm manager in the sandbox
+            self.shell_handlers[msg_type] = self._comm_from_frontend
+        # ipykernel dispatches comm messages concurrently while a shell message is handled;
+        # they must reach the sandbox in the order they came (a comm_msg after its comm_open).
+        self.comm_order = asyncio.Lock()
         # Client sessions that asked is_complete: terminals (see _frontend_updates_in_place).
         self.terminal_sessions: set[str] = set()
+        # The last cell's translator: output the runner sends between cells (a background
+        # thread's print) is shown on that cell's parent, as ipykernel does.
+        self.last_cell: _EventTranslator | None = None
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -111,6 +132,7 @@ class SandboxKernel(Kernel):
         if self.settings is None:
             raise SessionError(self.config_error or "invalid configuration")
         self.sandbox = SandboxSession(self.settings)
+        self.sandbox.on_background = self._background_event
         handoff = self._take_handoff()
         if handoff:  # a restart: same sandbox, fresh Python, same shutdown policy and sandboxes
             for sandbox_id in handoff.get("owned", []):
@@ -121,15 +143,18 @@ class SandboxKernel(Kernel):
             await self.sandbox.start(attach_to=self.settings.attach_to, fresh_runner=False)
         if self.settings.on_shutdown:
             self.sandbox.on_shutdown = self.settings.on_shutdown
+        log.info("%s", self._ready_line())
 
-    async def _ensure_session(self, out: CellOutput) -> SandboxSession:
-        """Wait for the sandbox, showing progress; retry a failed start once per cell."""
+    async def _ensure_session(self, out: CellOutput, silent: bool) -> SandboxSession:
+        """Wait for the sandbox (a long wait shows progress); retry a failed start once per cell."""
         assert self.boot is not None
         if self.boot.done() and self.boot.exception() is not None:
             self.boot = asyncio.get_running_loop().create_task(self._boot())
         if self.settings is None:
             await self.boot  # a configuration error: its line says it all
         if not self.boot.done():
+            await asyncio.wait([self.boot], timeout=SLOW_START)
+        if not self.boot.done() and not silent:
             line = out.progress(f"Starting a sandbox on {self._provider()}…")
             try:
                 await asyncio.shield(self.boot)
@@ -137,16 +162,23 @@ class SandboxKernel(Kernel):
                 line.update(f"Starting a sandbox on {self._provider()}… failed")  # the next line says why
                 raise
             line.update(self._ready_line())
-            self.status_shown = True
+            self.ready_shown = True
         await self.boot  # raises the start-up error, if any
-        if not self.status_shown:
+        if self.settings and self.settings.show_ready and not self.ready_shown and not silent:
             out.progress(self._ready_line())
-            self.status_shown = True
+            self.ready_shown = True
         assert self.sandbox is not None
         return self.sandbox
 
     def _provider(self) -> str:
         return self.settings.description if self.settings else "an unconfigured provider"
+
+    @property
+    def banner(self) -> str:  # type: ignore[override]
+        """kernel_info's banner: where cells run, once the sandbox is up."""
+        if not self._sandbox_ready():
+            return self.base_banner
+        return f"{self.base_banner}\n{self._ready_line()}"
 
     def _ready_line(self) -> str:
         assert self.sandbox is not None
@@ -173,14 +205,26 @@ class SandboxKernel(Kernel):
     async def do_execute(self, code: str, silent: bool, store_history: bool = True,
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          **_: Any) -> dict[str, Any]:
-        if not code.strip():
+        """Every execute_request gets its reply, whatever is raised on the way."""
+        try:
+            return await self._execute(code, silent, store_history, user_expressions or {}, allow_stdin)
+        except asyncio.CancelledError:
+            raise  # the kernel is shutting down
+        except Exception as exc:  # a bug of ours, or a magic that raised: one line, and the reply
+            log.exception("execute_request failed in the kernel")
+            return self._fail("SandboxError", f"internal error ({type(exc).__name__}: {exc}); "
+                              "details are in the kernel's log")
+
+    async def _execute(self, code: str, silent: bool, store_history: bool,
+                       user_expressions: dict[str, Any], allow_stdin: bool) -> dict[str, Any]:
+        if not code.strip() and not user_expressions:
             return self._ok()
         if store_history and not silent and self.history:
             self.history.record(self.execution_count, code)
-        self._allow_stdin = allow_stdin  # raw_input()/getpass() check it, as under ipykernel
+        self._allow_stdin = allow_stdin  # ask_frontend checks it
         out = CellOutput(self._send_iopub, in_place=self._frontend_updates_in_place())
         try:
-            session = await self._interruptible(self._ensure_session(out))
+            session = await self._interruptible(self._ensure_session(out, silent))
         except SessionError as exc:
             return self._fail("SandboxUnavailable", str(exc))
         except WaitInterrupted:
@@ -188,7 +232,15 @@ class SandboxKernel(Kernel):
                               "run a cell when you want it")
         magics = SandboxMagics(session, out)
         payload: list[dict[str, Any]] = []
-        for segment in split_cell(code):
+        segments = split_cell(code)
+        # user_expressions are evaluated after the cell's last code, in the sandbox; after a
+        # final host magic (or for an empty cell), by a silent empty run.
+        last_code = max((i for i, segment in enumerate(segments) if not segment.magic), default=None)
+        if user_expressions and (last_code is None or last_code < len(segments) - 1):
+            segments.append(Segment(text="", magic=False))
+            last_code = len(segments) - 1
+        expressions: dict[str, Any] = {}
+        for index, segment in enumerate(segments):
             if segment.magic:
                 try:
                     await self._interruptible(magics.run(segment.text))
@@ -203,23 +255,29 @@ class SandboxKernel(Kernel):
                 continue
             watch = PIP_COMMAND.search(segment.text) is not None
             refused_before = await self._best_effort(magics.refusals_so_far()) if watch else None
-            reply = await self._run_code(session, segment.text, silent, store_history, out)
+            fields: dict[str, Any] = {"allow_stdin": allow_stdin}
+            if index == last_code and user_expressions:
+                fields["user_expressions"] = user_expressions
+            reply = await self._run_code(session, segment.text, silent or not segment.text,
+                                         store_history and bool(segment.text), out, fields)
             if refused_before is not None:
                 await self._best_effort(magics.show_refusals_since(refused_before))
             if reply["status"] != "ok":
                 return reply
             payload += reply["payload"]
-        return self._ok(payload)
+            expressions = reply["user_expressions"]
+        return self._ok(payload, expressions)
 
     async def _run_code(self, session: SandboxSession, code: str, silent: bool,
-                        store_history: bool, out: CellOutput) -> dict[str, Any]:
+                        store_history: bool, out: CellOutput, fields: dict[str, Any]) -> dict[str, Any]:
         cell_id = uuid.uuid4().hex
-        translate = _EventTranslator(self, session, cell_id)
+        translate = self.last_cell = _EventTranslator(self, session, cell_id)
         try:
             done = await session.run_cell(
                 cell_id, code, translate.handle, silent=silent, store_history=store_history,
                 execution_count=self.execution_count if not silent else None,
-                on_resume=lambda: out.progress(f"Sandbox {session.sandbox_id} was paused: resuming…"))
+                on_resume=lambda: out.progress(f"Sandbox {session.sandbox_id} was paused: resuming…"),
+                fields=fields)
         except SessionError as exc:
             return self._fail("SandboxError", str(exc))
         except SandboxAPIError as exc:
@@ -231,10 +289,17 @@ class SandboxKernel(Kernel):
         finally:
             translate.flush_input_tasks()
         if done.get("status") == "ok":
-            # exit() in the cell: a frontend such as jupyter console ends its session.
-            return self._ok([{"source": "ask_exit", "keepkernel": False}] if translate.asked_exit else [])
+            payload = _payload_of(done)
+            if translate.asked_exit:  # exit() in the cell: a frontend such as jupyter console ends its session
+                payload.append({"source": "ask_exit", "keepkernel": False})
+            return self._ok(payload, _user_expressions_of(done))
         error = translate.last_error or {"ename": "Error", "evalue": "", "traceback": []}
         return {"status": "error", "execution_count": self.execution_count, **error}
+
+    async def _background_event(self, event: dict[str, Any]) -> None:
+        """Runner output between cells: on the last cell's parent, within its output cap."""
+        if self.last_cell is not None and event.get("type") != "input_request":
+            await self.last_cell.handle(event)
 
     @staticmethod
     async def _best_effort(work: Coroutine[Any, Any, T]) -> T | None:
@@ -245,9 +310,10 @@ class SandboxKernel(Kernel):
             log.warning("skipped: %s", exc)
             return None
 
-    def _ok(self, payload: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def _ok(self, payload: list[dict[str, Any]] | None = None,
+            user_expressions: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"status": "ok", "execution_count": self.execution_count,
-                "payload": payload or [], "user_expressions": {}}
+                "payload": payload or [], "user_expressions": user_expressions or {}}
 
     def _fail(self, ename: str, message: str) -> dict[str, Any]:
         """One clear line in the cell (no traceback: the user did nothing wrong in Python)."""
@@ -266,6 +332,30 @@ class SandboxKernel(Kernel):
             content = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
                        "traceback": []}
         self.session.send(stream, "interrupt_reply", content, parent, ident=ident)
+
+    async def ask_frontend(self, prompt: str, password: bool) -> str | None:
+        """An input_request on the stdin channel; the answer, or None if the frontend cannot
+        give one (no stdin, EOF). Awaited on the shell's loop, never in a thread: a question
+        the user interrupted is cancelled here, so no thread is left on the stdin socket
+        (zmq sockets are not thread-safe, and such a thread would hold up shutdown)."""
+        if not self._allow_stdin:
+            return None
+        socket = self.stdin_socket
+        while self.session.recv(socket, mode=zmq.NOBLOCK)[1] is not None:
+            pass  # the answer to an earlier question, interrupted
+        ident = self._get_shell_context_var(self._shell_parent_ident)
+        self.session.send(socket, "input_request", {"prompt": prompt, "password": password},
+                          self.get_parent("shell"), ident=ident)
+        while True:
+            try:
+                _, reply = self.session.recv(socket, mode=zmq.NOBLOCK)
+            except Exception as exc:  # a malformed message: wait for a good one
+                log.warning("invalid input_reply: %s", exc)
+                reply = None
+            if reply is not None:
+                value = reply.get("content", {}).get("value", "")
+                return None if value == "\x04" else str(value)  # ^D: end of input
+            await asyncio.sleep(STDIN_POLL)
 
     async def _interruptible(self, work: Coroutine[Any, Any, T]) -> T:
         """Await work; an interrupt meanwhile raises WaitInterrupted (work is cancelled)."""
@@ -301,7 +391,7 @@ class SandboxKernel(Kernel):
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.main_loop))
 
     async def do_complete(self, code: str, cursor_pos: int) -> dict[str, Any]:
-        reply = await self._runner_query({"op": "complete", "code": code, "cursor_pos": cursor_pos})
+        reply = await self._runner_query({protocol.OP: protocol.COMPLETE, "code": code, "cursor_pos": cursor_pos})
         return {"status": "ok", "matches": reply.get("matches", []),
                 "cursor_start": reply.get("cursor_start", cursor_pos),
                 "cursor_end": reply.get("cursor_end", cursor_pos),
@@ -309,20 +399,74 @@ class SandboxKernel(Kernel):
 
     async def do_inspect(self, code: str, cursor_pos: int, detail_level: int = 0,
                          omit_sections: Any = ()) -> dict[str, Any]:
-        reply = await self._runner_query({"op": "inspect", "code": code, "cursor_pos": cursor_pos,
+        reply = await self._runner_query({protocol.OP: protocol.INSPECT, "code": code, "cursor_pos": cursor_pos,
                                           "detail_level": detail_level})
         return {"status": "ok", "found": reply.get("found", False),
                 "data": reply.get("data", {}), "metadata": reply.get("metadata", {})}
 
+    def _sandbox_ready(self) -> bool:
+        return not (self.boot is None or not self.boot.done() or self.boot.exception() or self.sandbox is None)
+
     async def _runner_query(self, message: dict[str, Any]) -> dict[str, Any]:
         """Completion and inspection are best effort: an empty answer beats an error popup."""
-        if self.boot is None or not self.boot.done() or self.boot.exception() or self.sandbox is None:
+        if not self._sandbox_ready():
             return {}
         try:
             return await self.sandbox.runner_request(message)
         except Exception as exc:
-            log.warning("%s failed: %s", message["op"], exc)
+            log.warning("%s failed: %s", message[protocol.OP], exc)
             return {}
+
+    async def usage_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
+        """JupyterLab's kernel usage panel: the sandbox's CPU and memory (not this process's),
+        in the fields of ipykernel's usage_reply; empty while there is no sandbox to ask."""
+        try:
+            content = await self._on_main_loop(asyncio.wait_for(self._sandbox_usage(), USAGE_WAIT))
+        except Exception as exc:
+            log.warning("usage: %s", exc)
+            content = {}
+        self.session.send(stream, "usage_reply", content, parent, ident=ident)
+
+    async def _sandbox_usage(self) -> dict[str, Any]:
+        if not self._sandbox_ready():
+            return {}
+        assert self.sandbox is not None
+        sample = await self.sandbox.runner_request({protocol.OP: protocol.USAGE})
+        sandbox_id = self.sandbox.sandbox_id or ""
+        if sandbox_id not in self.memory_limits:
+            self.memory_limits[sandbox_id] = ((await self.sandbox.view()).mem_mib or 0) * 2**20
+        return usage_reply(sample, self.memory_limits[sandbox_id])
+
+    # -- comms (ipywidgets...): the comm manager lives in the sandbox ---------------------------
+
+    async def _comm_from_frontend(self, stream, ident, parent):  # type: ignore[no-untyped-def]
+        """comm_open/comm_msg/comm_close: run in the sandbox like a silent cell, so the
+        handlers' messages (a widget's echo, its output) come back with this one as parent."""
+        if not self._sandbox_ready():
+            log.warning("%s before the sandbox is up: dropped", parent["header"]["msg_type"])
+            return
+        assert self.sandbox is not None
+        message = {"msg_type": parent["header"]["msg_type"], "content": parent["content"],
+                   "metadata": parent.get("metadata") or {},
+                   "buffers": [base64.b64encode(bytes(buffer)).decode("ascii") for buffer in parent.get("buffers") or []]}
+        cell_id = uuid.uuid4().hex
+        translate = _EventTranslator(self, self.sandbox, cell_id)
+        try:
+            async with self.comm_order:
+                await self.sandbox.run_cell(cell_id, "", translate.handle, silent=True, store_history=False,
+                                            fields={"comm": message})
+        except Exception as exc:  # no reply to send: the frontend learns nothing, the log does
+            log.warning("%s not delivered: %s", message["msg_type"], exc)
+        finally:
+            translate.flush_input_tasks()
+
+    async def comm_info_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
+        target_name = parent["content"].get("target_name")
+        answer = await self._runner_query({protocol.OP: protocol.COMM_INFO, "target_name": target_name})
+        comms = answer.get("comms") if isinstance(answer.get("comms"), dict) else {}
+        comms = {str(comm_id): {"target_name": str(info.get("target_name", ""))}
+                 for comm_id, info in comms.items() if isinstance(info, dict)}
+        self.session.send(stream, "comm_info_reply", {"status": "ok", "comms": comms}, parent, ident=ident)
 
     async def do_is_complete(self, code: str) -> dict[str, Any]:
         self.terminal_sessions.add(self._client_session())
@@ -347,6 +491,34 @@ class SandboxKernel(Kernel):
             boot = self.boot
             await self._on_main_loop(asyncio.wait([boot], timeout=KERNEL_INFO_WAIT))
         await super().kernel_info_request(stream, ident, parent)
+
+    @property
+    def kernel_info(self) -> dict[str, Any]:  # type: ignore[override]
+        info = super().kernel_info
+        # ipykernel lists "debugger" and "kernel subshells" (its own machinery); neither
+        # reaches into the sandbox yet, so this kernel advertises no optional feature.
+        info["supported_features"] = []
+        return info
+
+    async def do_debug_request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """No debugger: every DAP request is answered unsuccessful (rather than left unanswered)."""
+        return {"type": "response", "seq": 0, "request_seq": msg.get("seq", 0), "success": False,
+                "command": msg.get("command", ""), "message": "sandbox-kernel has no debugger"}
+
+    async def create_subshell_request(self, socket, ident, parent):  # type: ignore[no-untyped-def]
+        await self._no_subshells(socket, "create_subshell_reply", parent, ident)
+
+    async def delete_subshell_request(self, socket, ident, parent):  # type: ignore[no-untyped-def]
+        await self._no_subshells(socket, "delete_subshell_reply", parent, ident)
+
+    async def list_subshell_request(self, socket, ident, parent):  # type: ignore[no-untyped-def]
+        await self._no_subshells(socket, "list_subshell_reply", parent, ident)
+
+    async def _no_subshells(self, socket: Any, reply_type: str, parent: dict[str, Any], ident: Any) -> None:
+        """Cells run one at a time in the sandbox: subshells are refused, not left unanswered."""
+        self.session.send(socket, reply_type, {
+            "status": "error", "ename": "NotImplementedError", "traceback": [],
+            "evalue": "sandbox-kernel does not support kernel subshells"}, parent, ident=ident)
 
     @property
     def language_info(self) -> dict[str, Any]:  # type: ignore[override]
@@ -415,6 +587,22 @@ class SandboxKernel(Kernel):
         return info
 
 
+def _payload_of(done: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runner's payloads (page, set_next_input) for the execute_reply; they come from the
+    sandbox, so only their shape is checked: a list of objects naming their source."""
+    payload = done.get("payload")
+    if not isinstance(payload, list):
+        return []
+    return [item for item in payload if isinstance(item, dict) and isinstance(item.get("source"), str)]
+
+
+def _user_expressions_of(done: dict[str, Any]) -> dict[str, Any]:
+    results = done.get("user_expressions")
+    if not isinstance(results, dict):
+        return {}
+    return {str(key): value for key, value in results.items() if isinstance(value, dict)}
+
+
 class _EventTranslator:
     """Turns one cell's runner events into iopub messages (and stdin requests)."""
 
@@ -426,10 +614,19 @@ class _EventTranslator:
         self.asked_exit = False
         self.input_tasks: list[asyncio.Task[None]] = []
         self.guard = OutputGuard(session.settings.output_limit)
+        # Its cell's request: events that come after the cell (from a background thread)
+        # still belong to it. The events are handled in the channel's reader task, whose
+        # context is not the cell's: stdin requests are made in the cell's (ipykernel
+        # keeps the parent and its ident in context variables).
+        self.parent = kernel.get_parent("shell")
+        self.context = contextvars.copy_context()
+
+    def _send(self, _: Any, msg_type: str, content: dict[str, Any]) -> None:
+        self.kernel.session.send(self.kernel.iopub_socket, msg_type, content, self.parent)
 
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event["type"]
-        send = self.kernel.send_response
+        send = self._send
         iopub = self.kernel.iopub_socket
         if not self.guard.admit(event):
             notice = self.guard.notice()
@@ -449,31 +646,55 @@ class _EventTranslator:
             self.last_error = {"ename": event["ename"], "evalue": event["evalue"],
                                "traceback": event["traceback"]}
             send(iopub, "error", self.last_error)
+        elif kind == protocol.COMM:
+            self._forward_comm(event)
         elif kind == "ask_exit":
             self.asked_exit = True
         elif kind == "input_request":
             # Don't block the event stream while the user types.
-            self.input_tasks.append(asyncio.get_running_loop().create_task(
-                self._ask(event.get("prompt", ""), event.get("password", False))))
+            self.input_tasks.append(self.context.run(asyncio.get_running_loop().create_task,
+                                                     self._ask(event.get("prompt", ""), event.get("password", False))))
+
+    def _forward_comm(self, event: dict[str, Any]) -> None:
+        """A message of a comm in the sandbox, to the frontend, binary buffers restored."""
+        content, buffers = event.get("content"), event.get("buffers") or []
+        if event.get("msg_type") not in COMM_MESSAGES or not isinstance(content, dict) or not isinstance(buffers, list):
+            return
+        try:
+            raw = [base64.b64decode(buffer, validate=True) for buffer in buffers]
+        except (TypeError, ValueError):
+            log.warning("dropped a comm message with malformed buffers")
+            return
+        metadata = event.get("metadata") if isinstance(event.get("metadata"), dict) else {}
+        self.kernel.send_response(self.kernel.iopub_socket, event["msg_type"], content, buffers=raw,
+                                  metadata=metadata)
 
     async def _ask(self, prompt: str, password: bool) -> None:
-        ask = self.kernel.getpass if password else self.kernel.raw_input
-        try:
-            value: str | None = await asyncio.to_thread(ask, prompt)
-        except Exception:  # StdinNotImplementedError, or the frontend went away
-            value = None
-        await self.session.send_input(self.cell_id, value)
+        await self.session.send_input(self.cell_id, await self.kernel.ask_frontend(prompt, password))
 
     def flush_input_tasks(self) -> None:
         for task in self.input_tasks:
             task.cancel()
 
 
-def main() -> None:
-    from ipykernel.kernelapp import IPKernelApp
+class SandboxKernelApp(IPKernelApp):
+    def start(self) -> None:
+        """Once the shell's loop has stopped (a shutdown), let the control thread finish
+        before the process exits. At exit ipykernel stops IOPub first, while the control
+        thread may still be flushing after the shutdown_reply: that flush then waits out its
+        timeout (10 s) for IOPub, and the kernel lingers."""
+        try:
+            super().start()
+        finally:
+            if self.control_thread and self.control_thread.is_alive():
+                self.control_thread.stop()
+                self.control_thread.join(CONTROL_THREAD_WAIT)
 
+
+def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    IPKernelApp.launch_instance(kernel_class=SandboxKernel)
+    log.setLevel(logging.INFO)  # the kernel's log says where its sandbox runs
+    SandboxKernelApp.launch_instance(kernel_class=SandboxKernel)
 
 
 if __name__ == "__main__":

@@ -74,13 +74,13 @@ class OutputGuard:
 
     The runner caps each cell's output inside the sandbox (runner.OutputBudget), but it
     is code in the sandbox, which a cell could get around. So the kernel counts too and
-    drops what goes past the limit, saying so once. It counts no more than the runner
-    does (only the displays' values), with room for the runner's own notice, so an
-    honest runner never meets this cap.
+    drops what goes past the limit, saying so once. Every event kind counts (a forged
+    runner could send endless results or errors), but no more than the runner counts
+    for its own kinds (only the displays' values), with room for the runner's notice and
+    the few events it does not count, so an honest runner never meets this cap.
     """
 
     SLACK = 64 * 1024
-    LIMITED = ("stream", "display_data", "update_display_data", "clear_output")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -88,15 +88,15 @@ class OutputGuard:
         self.noticed = False
 
     def admit(self, event: dict[str, Any]) -> bool:
-        """Whether to show this runner event; the others of its kind after a refusal neither."""
+        """Whether to show this runner event (none past the limit)."""
         kind = event.get("type")
-        if kind not in self.LIMITED:
-            return True  # results, errors, input requests: few, and the protocol needs them
         if kind == "stream":
             self.used += len(event.get("text", ""))
-        else:
+        elif isinstance(event.get("data"), dict):  # displays and results
             self.used += sum(len(value) if isinstance(value, str) else len(json.dumps(value))
-                             for value in (event.get("data") or {}).values())
+                             for value in event["data"].values())
+        else:  # errors, input requests, clear_output...: small, unless forged
+            self.used += len(json.dumps(event))
         return self.used <= self.limit + self.SLACK
 
     def notice(self) -> str | None:

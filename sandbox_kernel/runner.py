@@ -13,9 +13,19 @@ The kernel uploads this file into the sandbox and uses it in two roles:
   ``DIR/runner.sock`` and copy its answer, NDJSON, to stdout. B64 is base64 of
   a JSON object, which avoids any quoting problems.
 
-Client/daemon protocol: the client sends one JSON line ``{"op": ..., ...}``;
-the daemon answers with NDJSON lines (the events of a cell, or exactly one
-reply object) and closes the connection.
+Client/daemon protocol (its words: runner_protocol.py, uploaded next to this
+file): the client sends one JSON line ``{"op": ..., ...}``; the daemon answers
+with NDJSON lines (the events of a cell, or exactly one reply object) and
+closes the connection. A relay's connection (``{"op": "channel"}``, see the
+Channel class) stays open instead and carries many requests and tagged events.
+
+Besides the code, a ``run`` request carries what the execute_request asked:
+``allow_stdin`` (false: ``input()`` raises StdinNotImplementedError) and
+``user_expressions`` (evaluated after the cell, returned in its ``done`` event, which
+also carries the cell's ``payload``: pager, next input, edit). A run with a ``comm``
+field delivers a frontend's comm message to the comm manager instead of running code;
+``comm`` events are the messages comms in the sandbox send (buffers in base64).
+One-shot ops ``usage`` and ``comm_info`` answer usage_request and comm_info_request.
 
 Forking: the one-shot op ``{"op": "fork", "join_pid": N | null, "dir": str | null}``
 forks the daemon with os.fork(). The child carries the user's live interpreter
@@ -34,6 +44,8 @@ import json
 import os
 import socket
 import sys
+
+import runner_protocol as protocol  # uploaded next to this file (sandbox_kernel/runner_protocol.py)
 
 SOCKET_NAME = "runner.sock"
 READY_NAME = "ready"
@@ -57,7 +69,10 @@ DEFAULT_OUTPUT_RATE = 8 * 1024 * 1024
 OUTPUT_BURST_SECONDS = 4.0
 # Events that count against the limit (and are dropped past it); the others (results,
 # errors, input requests) are one or few per cell and the kernel needs them.
-LIMITED_EVENTS = ("display_data", "update_display_data", "clear_output")
+LIMITED_EVENTS = ("display_data", "update_display_data", "clear_output", "comm")
+COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
+BACKGROUND_RETAINED = 4 * 1024 * 1024  # bytes of between-cell events kept for a channel
+BACKGROUND_POLL = 1.0  # seconds a channel's background follower waits before checking it is still open
 # Where pip installs inside the sandbox: on its own disk, kept across kernel restarts.
 PACKAGES_PREFIX = "~/.local"
 USAGE = "usage: runner.py serve DIR   (clients: runner_client.py)\n"
@@ -77,6 +92,10 @@ def main(argv: list[str]) -> int:
 
 def serve(state_dir: str) -> int:
     _import_daemon_modules()
+    # Imports look in the working directory first, as in any kernel: '' where Python put
+    # this script's directory (which holds nothing for user code).
+    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+        sys.path[0] = ""
     Daemon(os.path.abspath(state_dir)).serve_forever()
     return 0
 
@@ -84,12 +103,14 @@ def serve(state_dir: str) -> int:
 def _import_daemon_modules() -> None:
     """Import the modules the daemon needs (kept out of the module level since clients
     once ran this file too; runner_client.py is the client now)."""
-    global ast, builtins, codecs, getpass, importlib, inspect, io, linecache
+    global ast, asyncio, builtins, codecs, collections, getpass, importlib, inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
     global tokenize, traceback, types, warnings
     import ast
+    import asyncio
     import builtins
     import codecs
+    import collections
     import getpass
     import importlib.machinery
     import importlib.util
@@ -141,6 +162,10 @@ class Cell:
         # take numbers too); None lets the runner count.
         self.execution_count = execution_count
         self.journal_path = journal_path
+        # What the execute_request asked besides the code (set by the daemon when submitted).
+        self.allow_stdin = True
+        self.user_expressions: dict = {}
+        self.comm: dict | None = None  # a frontend's comm message to deliver instead of running code
         self.started_count: int | None = None  # the count of its started event, once it runs
         self.stored = False  # whether it takes an execution count (known once it runs)
         self.finished = False
@@ -199,6 +224,42 @@ class Cell:
             done["execution_count"] = self.started_count
         self.emit("done", **done)
         self.code = ""
+
+
+class BackgroundLog:
+    """Output produced while no cell runs (a thread's print, a subprocess), for the
+    channels (see Channel) to pass on: the kernel shows it on the last cell's parent.
+
+    Numbered like a cell's events (seq from 1), with ``"cell": null``; only the newest
+    BACKGROUND_RETAINED bytes are kept, for a channel that starts again after its relay
+    died. It shares the output cap of the cell that ran last (OutputRouter.end).
+    """
+
+    def __init__(self) -> None:
+        self.budget = OutputBudget(DEFAULT_OUTPUT_LIMIT, DEFAULT_OUTPUT_RATE)
+        self._lines: collections.deque = collections.deque()  # (seq, encoded line)
+        self._size = 0
+        self.newest = 0
+        self._changed = threading.Condition()
+
+    def emit(self, type_: str, **fields: object) -> None:
+        with self._changed:
+            self.newest += 1
+            event = {protocol.CELL: None, protocol.SEQ: self.newest, protocol.TYPE: type_}
+            event.update(fields)
+            line = _encode_line(event)
+            self._lines.append((self.newest, line))
+            self._size += len(line)
+            while self._size > BACKGROUND_RETAINED and len(self._lines) > 1:
+                self._size -= len(self._lines.popleft()[1])
+            self._changed.notify_all()
+
+    def read_after(self, after: int, timeout: float) -> list:
+        """The retained (seq, line) pairs with seq > after, waiting up to timeout for one."""
+        with self._changed:
+            if self.newest <= after:
+                self._changed.wait(timeout)
+            return [(seq, line) for seq, line in self._lines if seq > after]
 
 
 class FdCapture:
@@ -345,6 +406,9 @@ class OutputRouter:
         self._pending: list[str] = []
         self._pending_size = 0
         self._limit_noticed = False  # whether the current cell was told its output is dropped
+        self._pid = os.getpid()  # a process forked by cell code (multiprocessing) is not this one
+        # Where output goes while no cell runs, once a channel listens (else: the log).
+        self._background: BackgroundLog | None = None
 
     def start_threads(self) -> None:
         for target in (self._read_fds_forever, self._flush_forever):
@@ -373,6 +437,18 @@ class OutputRouter:
         self._capture = capture
         self._lock = threading.Lock()
         self._has_pending = threading.Condition(self._lock)
+        self._pid = os.getpid()
+        self._background = None  # the parent's channels did not come along
+
+    def background(self) -> BackgroundLog:
+        """The log of between-cell output, which channels follow (made on first use)."""
+        with self._lock:
+            if self._background is None:
+                self._background = BackgroundLog()
+            return self._background
+
+    def _sink(self) -> "Cell | BackgroundLog | None":
+        return self._cell if self._cell is not None else self._background
 
     def begin(self, cell: Cell) -> None:
         with self._lock:
@@ -384,10 +460,18 @@ class OutputRouter:
         with self._lock:
             self._absorb_fd_output()
             self._flush()
+            if self._background is not None and self._cell is not None:
+                # What runs on after the cell (a thread, a subprocess) shares its cap.
+                self._background.budget = self._cell.budget
             self._cell = None
 
     def write(self, name: str, text: str) -> None:
         """Python-level write to sys.stdout / sys.stderr."""
+        if os.getpid() != self._pid:
+            # A child forked by cell code (multiprocessing): this router's threads and cell
+            # stayed in the daemon, but fds 1 and 2 still lead to its capture pipes.
+            _write_all(1 if name == "stdout" else 2, text.encode("utf-8", "replace"))
+            return
         with self._lock:
             if self._capture.has_output():
                 self._absorb_fd_output()
@@ -398,17 +482,18 @@ class OutputRouter:
         with self._lock:
             self._absorb_fd_output()
             self._flush()
-            if self._cell is None:
+            sink = self._sink()
+            if sink is None:
                 self.log("dropped a %s event produced outside of any cell\n" % type_)
                 return
             if type_ not in LIMITED_EVENTS:
-                self._cell.emit(type_, **fields)
+                sink.emit(type_, **fields)
                 return
             size = len(_encode_line(fields))
-            if self._cell.budget.take(size) < size:
+            if sink.budget.take(size) < size:
                 self._notice_limit()
                 return
-            self._cell.emit(type_, **fields)
+            sink.emit(type_, **fields)
             self._pace()
 
     def log(self, text: str) -> None:
@@ -421,7 +506,7 @@ class OutputRouter:
     def _append(self, name: str, text: str) -> None:
         if not text:
             return
-        if self._cell is None:
+        if self._sink() is None:
             _write_all(self._capture.log_fds[name], text.encode("utf-8", "replace"))
             return
         if len(text) > self.MAX_PENDING:  # a long write goes in pieces: no event is huge
@@ -446,11 +531,12 @@ class OutputRouter:
         text = "".join(self._pending)
         self._pending = []
         self._pending_size = 0
-        if self._cell is None:
+        sink = self._sink()
+        if sink is None:
             return
-        allowed = self._cell.budget.take(len(text))
+        allowed = sink.budget.take(len(text))
         if allowed:
-            self._cell.emit("stream", name=self._pending_name, text=text if allowed == len(text) else text[:allowed])
+            sink.emit("stream", name=self._pending_name, text=text if allowed == len(text) else text[:allowed])
         if allowed < len(text):
             self._notice_limit()
         self._pace()
@@ -459,13 +545,14 @@ class OutputRouter:
         """Tell the cell, once, that its output is being dropped from now on."""
         if not self._limit_noticed:
             self._limit_noticed = True
-            self._cell.emit("stream", name="stderr", text=self._cell.budget.notice())
+            sink = self._sink()
+            sink.emit("stream", name="stderr", text=sink.budget.notice())
 
     def _pace(self) -> None:
         """Keep the cell to its output rate by waiting here, holding the lock: every
         source of output (print, display, the fd reader and so subprocesses) waits too.
         An interrupt lands in this sleep, or in the wait for the lock, as anywhere."""
-        delay = self._cell.budget.delay()
+        delay = self._sink().budget.delay()
         if delay:
             time.sleep(delay)
 
@@ -520,6 +607,63 @@ def _make_cell_stream(router: OutputRouter, name: str, fd: int) -> io.TextIOBase
     return CellStream()
 
 
+class CommBridge:
+    """Jupyter comms in the sandbox (ipywidgets and the like), through the `comm` package
+    when it is installed: its create_comm and get_comm_manager are pointed here. What a
+    comm sends becomes a `comm` event of the running cell (buffers as base64); what the
+    frontend sends arrives as a run whose request has a `comm` field (Daemon._run_user_code),
+    so handlers run in the main thread like cells, and their events have that run's parent."""
+
+    def __init__(self, router: OutputRouter):
+        self.manager = None
+        try:
+            import comm
+            from comm.base_comm import BaseComm, CommManager
+        except ImportError:
+            return
+
+        class EventComm(BaseComm):
+            def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
+                content = dict(keys, data=data if data is not None else {}, comm_id=self.comm_id)
+                router.emit(protocol.COMM, msg_type=msg_type, content=content, metadata=metadata or {},
+                            buffers=[base64.b64encode(bytes(buffer)).decode("ascii") for buffer in buffers or []])
+
+        self.manager = CommManager()
+        comm.create_comm = EventComm
+        comm.get_comm_manager = lambda: self.manager
+
+    def deliver(self, message: dict) -> None:
+        """The frontend's comm_open, comm_msg or comm_close (validated by the daemon)."""
+        if self.manager is None:
+            return  # no comm package in this sandbox: nothing can be listening
+        msg = {"header": {"msg_type": message["msg_type"]}, "parent_header": {}, "metadata": message["metadata"],
+               "content": message["content"], "buffers": [memoryview(buffer) for buffer in message["buffers"]]}
+        getattr(self.manager, message["msg_type"])(None, None, msg)
+
+    def info(self, target_name: object) -> dict:
+        """comm_info_reply's comms: the open ones, of one target or all."""
+        if self.manager is None:
+            return {}
+        return {comm_id: {"target_name": comm.target_name} for comm_id, comm in list(self.manager.comms.items())
+                if target_name is None or comm.target_name == target_name}
+
+
+def _comm_message(request: object) -> dict | None:
+    """A frontend comm message from a run request, checked, buffers decoded; None if absent."""
+    if request is None:
+        return None
+    if not (isinstance(request, dict) and request.get("msg_type") in COMM_MESSAGES
+            and isinstance(request.get("content"), dict) and isinstance(request["content"].get("comm_id"), str)):
+        raise ValueError("a comm request needs msg_type (comm_open/msg/close) and content with a comm_id")
+    buffers = request.get("buffers") or []
+    metadata = request.get("metadata") or {}
+    if not isinstance(buffers, list) or not all(isinstance(buffer, str) for buffer in buffers) \
+            or not isinstance(metadata, dict):
+        raise ValueError("comm buffers must be base64 strings and metadata an object")
+    return {"msg_type": request["msg_type"], "content": request["content"], "metadata": metadata,
+            "buffers": [base64.b64decode(buffer) for buffer in buffers]}
+
+
 class InputBridge:
     """``input()`` and ``getpass.getpass()`` for user code.
 
@@ -532,6 +676,7 @@ class InputBridge:
         self._router = router
         self._lock = threading.Lock()
         self._pending: tuple[str, threading.Event, list[str]] | None = None
+        self._no_stdin = _stdin_not_implemented()
 
     def install(self) -> None:
         builtins.input = self.input
@@ -568,6 +713,8 @@ class InputBridge:
         cell = self._router.current_cell
         if cell is None:
             raise EOFError("input is only available while a cell runs")
+        if not cell.allow_stdin:  # the execute_request said so: fail at once, as ipykernel does
+            raise self._no_stdin("input() was called, but this frontend does not support input requests")
         answered = threading.Event()
         box: list[str | None] = []
         with self._lock:
@@ -581,6 +728,32 @@ class InputBridge:
         if box[0] is None:
             raise EOFError("input() is not available: this frontend does not accept input")
         return box[0]
+
+
+def _stdin_not_implemented() -> type:
+    """IPython's StdinNotImplementedError (what ipykernel raises), or a stand-in without IPython."""
+    try:
+        from IPython.core.error import StdinNotImplementedError
+    except ImportError:
+        class StdinNotImplementedError(NotImplementedError):
+            pass
+    return StdinNotImplementedError
+
+
+class CellTask:
+    """The asyncio task of the cell running now, while it awaits (top-level await), so
+    that an interrupt can cancel it (Daemon._on_interrupt)."""
+
+    current: "asyncio.Future | None" = None
+
+    @classmethod
+    async def run(cls, coroutine) -> object:
+        task = asyncio.ensure_future(coroutine)
+        cls.current = task
+        try:
+            return await task
+        finally:
+            cls.current = None
 
 
 # ----------------------------------------------------------- plain engine
@@ -678,14 +851,14 @@ class PlainEngine:
     def reset_after_fork(self) -> None:
         pass
 
-    def run(self, code: str, silent: bool, store_history: bool, count: int) -> bool:
+    async def run(self, code: str, silent: bool, store_history: bool, count: int) -> bool:
         self._cells_run += 1
         filename = "<cell-%d>" % self._cells_run
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         if store_history:
             self.execution_count += 1
         try:
-            value = self._execute(code, filename)
+            value = await self._execute(code, filename)
             if value is not None and not silent and not _ends_with_semicolon(code):
                 self.namespace["_"] = value
                 self._router.emit("execute_result", execution_count=count,
@@ -696,6 +869,20 @@ class PlainEngine:
             ok = False
         self._show_figures()
         return ok
+
+    def user_expressions(self, expressions: dict) -> dict:
+        """Each expression's value as a mime bundle, or its error (execute_reply's user_expressions)."""
+        results = {}
+        for key, expression in expressions.items():
+            try:
+                results[key] = {"status": "ok", "data": _mime_bundle(eval(expression, self.namespace)), "metadata": {}}
+            except Exception as exc:
+                results[key] = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
+                                "traceback": traceback.format_exception_only(type(exc), exc)}
+        return results
+
+    def take_payload(self) -> list:
+        return []  # pager, set_next_input: IPython features
 
     def display(self, *objs: object, display_id: str | None = None, update: bool = False,
                 metadata: dict | None = None, **_ignored: object) -> None:
@@ -743,17 +930,25 @@ class PlainEngine:
             obj = getattr(obj, attribute)
         return obj
 
-    def _execute(self, code: str, filename: str) -> object:
-        """Run the cell; return the value of its final expression, if any."""
+    async def _execute(self, code: str, filename: str) -> object:
+        """Run the cell (top-level await allowed); return the value of its final expression, if any."""
         code = re.sub(_SHELL_LINE_PATTERN, _shell_call, code, flags=re.MULTILINE)
         # dont_inherit: this file's __future__ imports must not leak into user code.
         tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        exec(compile(tree, filename, "exec", dont_inherit=True), self.namespace)
+        await self._evaluate(compile(tree, filename, "exec", ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True))
         if last is None:
             return None
         expression = ast.Expression(last.value)
-        return eval(compile(expression, filename, "eval", dont_inherit=True), self.namespace)
+        return await self._evaluate(compile(expression, filename, "eval", ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+                                            dont_inherit=True))
+
+    async def _evaluate(self, compiled: types.CodeType) -> object:
+        """Run compiled cell code; code with a top-level await is a coroutine to await."""
+        outcome = eval(compiled, self.namespace)
+        if compiled.co_flags & inspect.CO_COROUTINE:
+            return await CellTask.run(outcome)
+        return outcome
 
     def _report_error(self, etype: type, value: BaseException, tb: types.TracebackType | None) -> None:
         while tb is not None and tb.tb_frame.f_code.co_filename == _THIS_FILE:
@@ -849,6 +1044,14 @@ def _describe(name: str, obj: object, detail_level: int) -> str:
     return "\n".join(lines)
 
 
+def _event_loop_files() -> tuple:
+    """Where the event loop's own code lives (asyncio, selectors): a signal that arrives
+    there found the main thread idle in the loop."""
+    import selectors
+
+    return (os.path.dirname(asyncio.__file__) + os.sep, selectors.__file__)
+
+
 def _this_file() -> str:
     """The filename this file's frames carry (to strip them from tracebacks)."""
     return _this_file.__code__.co_filename
@@ -885,11 +1088,48 @@ class IPythonEngine:
     @execution_count.setter
     def execution_count(self, count: int) -> None:
         self.shell.execution_count = count
+        # Numbers the kernel gave to cells that did not run here (its own magics, an empty
+        # cell): blank history entries, so that In[n], %history and %recall n find cell n.
+        history = self.shell.history_manager
+        for inputs in (history.input_hist_parsed, history.input_hist_raw):
+            inputs.extend([""] * (count - len(inputs)))
 
-    def run(self, code: str, silent: bool, store_history: bool, count: int) -> bool:
+    async def run(self, code: str, silent: bool, store_history: bool, count: int) -> bool:
+        """Run a cell on the daemon's event loop: a cell with top-level await as a task
+        (what ipykernel does), any other synchronously."""
+        from IPython.core.interactiveshell import _asyncio_runner
+
         self._count = count
-        result = self.shell.run_cell(code, store_history=store_history, silent=silent)
-        return result.success
+        shell = self.shell
+        shell.displayhook_failed = False
+        try:
+            transformed, transform_error = shell.transform_cell(code), None
+        except Exception:
+            transformed, transform_error = code, sys.exc_info()
+        if shell.loop_runner is _asyncio_runner and shell.should_run_async(
+                code, transformed_cell=transformed, preprocessing_exc_tuple=transform_error):
+            result = None
+            try:
+                result = await CellTask.run(shell.run_cell_async(
+                    code, store_history=store_history, silent=silent, transformed_cell=transformed,
+                    preprocessing_exc_tuple=transform_error))
+            finally:  # what run_cell does after run_cell_async
+                shell.events.trigger("post_execute")
+                if not silent:
+                    shell.events.trigger("post_run_cell", result)
+        else:
+            result = shell.run_cell(code, store_history=store_history, silent=silent)
+        # An error formatting the cell's result fails the cell, as under ipykernel.
+        return result.success and not shell.displayhook_failed
+
+    def user_expressions(self, expressions: dict) -> dict:
+        return self.shell.user_expressions(expressions)
+
+    def take_payload(self) -> list:
+        """What the cell asked of the frontend (pager, next input): the execute_reply's payload."""
+        payload = self.shell.payload_manager.read_payload()
+        self.shell.payload_manager.clear_payload()
+        return payload
 
     def complete(self, code: str, cursor_pos: int) -> dict:
         # The provisional completions API (what ipykernel uses): unlike the
@@ -934,6 +1174,8 @@ def _build_ipython_shell(emit, current_count):
     class EventDisplayHook(DisplayHook):
         """The value of a cell's last expression becomes an execute_result."""
 
+        _bundle = None  # while formatting a result
+
         def start_displayhook(self):
             self._bundle = ({}, {})
 
@@ -945,6 +1187,7 @@ def _build_ipython_shell(emit, current_count):
 
         def finish_displayhook(self):
             data, metadata = self._bundle
+            self._bundle = None
             if data:
                 emit("execute_result", execution_count=current_count(), data=data, metadata=metadata)
 
@@ -958,8 +1201,20 @@ def _build_ipython_shell(emit, current_count):
     class EventShell(InteractiveShell):
         displayhook_class = Type(EventDisplayHook)
         display_pub_class = Type(EventDisplayPublisher)
+        displayhook_failed = False  # a result's formatting raised, in the cell running now
+
+        def init_hooks(self):
+            super().init_hooks()
+            # `obj?`, `%pdoc`, `%pinfo`...: a `page` payload for the frontend's pager.
+            self.set_hook("show_in_pager", _page_payload, 99)
+
+        def set_next_input(self, s, replace=False):
+            # `%load`, `%recall`: the frontend puts the text in the next input (or this one).
+            self.payload_manager.write_payload({"source": "set_next_input", "text": s, "replace": replace})
 
         def _showtraceback(self, etype, evalue, stb):
+            if self.displayhook._bundle is not None:
+                self.displayhook_failed = True
             # IPython always shows the frame that raised, even a runner one (input()
             # without a frontend, say): drop every frame of this file.
             user_frames = [entry for entry in stb if _THIS_FILE not in re.sub(r"\x1b\[[0-9;]*m", "", entry)]
@@ -976,7 +1231,53 @@ def _build_ipython_shell(emit, current_count):
 
     config = Config()
     config.HistoryManager.hist_file = ":memory:"  # no sqlite file, no history-saving thread
-    return EventShell.instance(config=config)
+    shell = EventShell.instance(config=config)
+    _use_interruptible_pdb()
+    _register_edit_magic(shell)
+    return shell
+
+
+def _register_edit_magic(shell) -> None:
+    """%edit (and its alias %ed) as under ipykernel: no editor in the sandbox to wait for (IPython's own
+    would start one without a terminal), so the frontend is told which file to open, an
+    `edit_magic` payload, and nothing runs. The path is the sandbox's."""
+    from IPython.core.magic import Magics, line_magic, magics_class
+    from IPython.core.magics.code import CodeMagics, MacroToEdit
+
+    @magics_class
+    class EditMagics(Magics):
+        @line_magic
+        def edit(self, parameter_s=""):
+            opts, args = self.parse_options(parameter_s, "prn:")
+            try:
+                filename, line_number, _ = CodeMagics._find_edit_target(self.shell, args, opts, ["", ""])
+            except MacroToEdit:
+                print("%edit of a macro is not available in a kernel")
+                return
+            self.shell.payload_manager.write_payload({"source": "edit_magic", "line_number": line_number,
+                                                      "filename": os.path.abspath(filename)})
+
+    shell.register_magics(EditMagics)
+
+
+def _page_payload(shell, data, start=0, screen_lines=0):
+    """The show_in_pager hook: text or a mime bundle for the frontend's pager."""
+    bundle = dict(data) if isinstance(data, dict) else {"text/plain": str(data)}
+    bundle.pop("text/html", None)  # no HTML pager, as in ipykernel by default
+    shell.payload_manager.write_payload({"source": "page", "data": bundle, "start": start})
+
+
+def _use_interruptible_pdb() -> None:
+    """pdb.set_trace() and breakpoint() get IPython's debugger that an interrupt ends
+    (plain pdb would swallow the KeyboardInterrupt and the cell would never end)."""
+    import pdb
+
+    from IPython.core import debugger
+
+    if hasattr(debugger, "InterruptiblePdb"):
+        debugger.Pdb = debugger.InterruptiblePdb
+        pdb.Pdb = debugger.InterruptiblePdb
+        pdb.set_trace = debugger.set_trace
 
 
 def _file_loaders() -> list:
@@ -1024,10 +1325,107 @@ def _use_workspace_packages() -> None:
 # ----------------------------------------------------------------- daemon
 
 
+class Channel:
+    """One relay's connection (``runner_client.py channel``): many requests, tagged events.
+
+    The kernel keeps one for its lifetime. Each line it sends is a request: ``run`` (a
+    cell, followed to its ``done`` event; sent again with ``after`` when a relay had to be
+    replaced mid-cell, it only follows the cell from there) or a one-shot op, answered
+    with ``{"reply": id, ...}`` when it carries an ``id``. Every event line names its
+    cell (``"cell": id``, or null for between-cell output: see BackgroundLog). Interrupt
+    and input answers are handled at once, never behind a completion.
+    """
+
+    def __init__(self, daemon: "Daemon", connection: socket.socket) -> None:
+        self._daemon = daemon
+        self._connection = connection
+        self._send_lock = threading.Lock()
+        self.open = True
+
+    def serve(self, reader, request: dict) -> None:
+        background = self._daemon.router.background()
+        after = request.get(protocol.BACKGROUND_AFTER)  # absent: from now on
+        self._spawn(self._follow_background, background, after if _is_int_at_least(after, 0) else background.newest)
+        try:
+            for line in reader:
+                if line.strip():
+                    self._dispatch(line)
+        finally:
+            self.open = False
+
+    def _dispatch(self, line: bytes) -> None:
+        request: object = None
+        try:
+            request = json.loads(line)
+            if not isinstance(request, dict):
+                raise ValueError("the request must be a JSON object")
+            op = request.get(protocol.OP)
+            if op == protocol.RUN:
+                cell = self._daemon._submit(request)
+                after = request.get(protocol.AFTER)
+                self._spawn(self._follow_cell, cell, after if _is_int_at_least(after, 0) else 0)
+            elif op in protocol.IMMEDIATE_OPS:
+                self._answer(request, self._daemon._one_shot(op, request))
+                if op == protocol.SHUTDOWN:
+                    self._daemon._exit()
+            else:
+                self._spawn(self._answer_later, request)
+        except Exception as exc:  # a bad request: say why, to whoever asked
+            failure = {protocol.ERROR: "%s: %s" % (type(exc).__name__, exc)}
+            if isinstance(request, dict):
+                failure.update((key, request[key]) for key in (protocol.CELL_ID, protocol.ID)
+                               if isinstance(request.get(key), str))
+            self._send(_encode_line(failure))
+
+    def _answer_later(self, request: dict) -> None:
+        try:
+            reply = self._daemon._one_shot(request.get(protocol.OP), request)
+        except Exception as exc:
+            reply = {protocol.ERROR: "%s: %s" % (type(exc).__name__, exc)}
+        self._answer(request, reply)
+
+    def _answer(self, request: dict, reply: dict) -> None:
+        if isinstance(request.get(protocol.ID), str):
+            self._send(_encode_line(dict(reply, **{protocol.REPLY: request[protocol.ID]})))
+
+    def _follow_cell(self, cell: Cell, after: int) -> None:
+        tag = ('{"%s": "%s", ' % (protocol.CELL, cell.cell_id)).encode("ascii")  # ids are checked: [A-Za-z0-9._-]
+        while self.open:
+            lines, finished = cell.read_after(after, time.monotonic() + BACKGROUND_POLL)
+            if lines:
+                self._send(b"".join(tag + line[1:] for line in lines))
+                after += len(lines)
+            if finished:
+                return
+
+    def _follow_background(self, log: BackgroundLog, after: int) -> None:
+        while self.open:
+            lines = log.read_after(after, BACKGROUND_POLL)
+            if lines:
+                self._send(b"".join(line for _, line in lines))
+                after = lines[-1][0]
+
+    def _send(self, data: bytes) -> None:
+        with self._send_lock:
+            if not self.open:
+                return
+            try:
+                self._connection.sendall(data)
+            except OSError:
+                self.open = False
+
+    @staticmethod
+    def _spawn(target, *args: object) -> None:
+        threading.Thread(target=target, args=args, name=target.__name__, daemon=True).start()
+
+
+
+
 class Daemon:
     """Holds the user's session: accepts clients on the unix socket in
     background threads and runs queued cells one by one in the main thread
-    (required for signal-based KeyboardInterrupt)."""
+    (required for signal-based KeyboardInterrupt), on an asyncio event loop that
+    runs in and between cells, as under ipykernel."""
 
     def __init__(self, state_dir: str):
         self._set_state_dir(state_dir)
@@ -1037,9 +1435,13 @@ class Daemon:
         self._fork_lock = threading.Lock()  # one fork at a time
         self._running: Cell | None = None
         self._main_thread = threading.get_ident()
+        # The main thread's event loop, and how a submitted cell wakes it (_main_loop).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cell_queued: asyncio.Event | None = None
         self._server: socket.socket | None = None
         self._connections: set = set()  # open client connections (a forked child closes its copies)
         self._registration_path: str | None = None
+        self._usage = UsageMeter()
 
     def _set_state_dir(self, state_dir: str) -> None:
         self.state_dir = state_dir
@@ -1059,6 +1461,7 @@ class Daemon:
         self.engine = self._create_engine()
         self.inputs = InputBridge(self.router)
         self.inputs.install()
+        self.comms = CommBridge(self.router)
         # SIGINT is ignored between cells and a KeyboardInterrupt during them.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, lambda signum, frame: self._exit())
@@ -1072,8 +1475,32 @@ class Daemon:
         self._register()
 
     def _main_loop(self) -> None:
+        """Run queued cells forever on a new event loop. A cell can use the running loop
+        and await at top level; tasks it starts run on while it awaits and between cells."""
+        self._loop_files = _event_loop_files()
+        self._loop = loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        cells = loop.create_task(self._run_cells())
         while True:
-            self._execute(self._queue.get())
+            try:
+                loop.run_until_complete(cells)
+            except KeyboardInterrupt:
+                # Landed in a task of the user's while an async cell awaited: that task
+                # ends with it; the loop and the cell go on.
+                if cells.done():
+                    cells = loop.create_task(self._run_cells())
+
+    async def _run_cells(self) -> None:
+        self._cell_queued = asyncio.Event()
+        while True:
+            try:
+                cell = self._queue.get_nowait()
+            except queue.Empty:
+                await self._cell_queued.wait()
+                self._cell_queued.clear()
+                continue
+            await self._execute(cell)
+            await asyncio.sleep(0)  # tasks the cell started take a step before the next cell
 
     def _create_engine(self):
         use_ipython = os.environ.get(NO_IPYTHON_ENV) != "1" and _importable("IPython")
@@ -1143,7 +1570,7 @@ class Daemon:
 
     # --- execution (main thread)
 
-    def _execute(self, cell: Cell) -> None:
+    async def _execute(self, cell: Cell) -> None:
         stored = cell.store_history and not cell.silent
         if stored and cell.execution_count is not None:
             self.engine.execution_count = cell.execution_count
@@ -1151,22 +1578,31 @@ class Daemon:
         cell.started_count, cell.stored = count, stored
         self.router.begin(cell)
         ok = False
+        reply: dict = {}  # for the execute_reply: user_expressions, payload
         try:
             self.router.emit("started", execution_count=count)
-            ok = self._run_user_code(cell, stored, count)
+            ok = await self._run_user_code(cell, stored, count)
+            if ok and cell.user_expressions:
+                reply["user_expressions"] = self.engine.user_expressions(cell.user_expressions)
+            payload = self.engine.take_payload()
+            if payload:
+                reply["payload"] = payload
         except Exception:
             self.router.log("internal error running %s:\n%s" % (cell.cell_id, traceback.format_exc()))
         finally:
             self.router.end()
-            cell.emit("done", status="ok" if ok else "error", execution_count=count)
+            cell.emit("done", status="ok" if ok else "error", execution_count=count, **reply)
             cell.code = ""  # the journal has what matters now
 
-    def _run_user_code(self, cell: Cell, stored: bool, count: int) -> bool:
+    async def _run_user_code(self, cell: Cell, stored: bool, count: int) -> bool:
         with self._lock:
             self._running = cell
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, self._on_interrupt)
         try:
-            return self.engine.run(cell.code, cell.silent, stored, count)
+            if cell.comm is not None:
+                self.comms.deliver(cell.comm)  # its handlers log their own errors
+                return True
+            return await self.engine.run(cell.code, cell.silent, stored, count)
         except KeyboardInterrupt:  # landed in engine code rather than in the user's
             self.router.emit("error", ename="KeyboardInterrupt", evalue="", traceback=[])
             return False
@@ -1174,6 +1610,16 @@ class Daemon:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             with self._lock:
                 self._running = None
+
+    def _on_interrupt(self, signum: int, frame) -> None:
+        """SIGINT during a cell: a KeyboardInterrupt where the cell's code runs; but a cell
+        awaiting (the loop idle in its selector) is cancelled instead, as under ipykernel,
+        since the exception would end the loop rather than the cell."""
+        task = CellTask.current
+        if task is not None and frame is not None and frame.f_code.co_filename.startswith(self._loop_files):
+            self._loop.call_soon_threadsafe(task.cancel)
+            return
+        raise KeyboardInterrupt
 
     # --- connections (background threads)
 
@@ -1194,14 +1640,17 @@ class Daemon:
             try:
                 with connection.makefile("rb") as reader:
                     request = json.loads(reader.readline())
-                if not isinstance(request, dict):
-                    raise ValueError("the request must be a JSON object")
-                op = request.get("op")
-                if op in ("run", "attach"):
+                    if not isinstance(request, dict):
+                        raise ValueError("the request must be a JSON object")
+                    op = request.get(protocol.OP)
+                    if op == protocol.CHANNEL:
+                        Channel(self, connection).serve(reader, request)
+                        return
+                if op in (protocol.RUN, protocol.ATTACH):
                     self._stream(connection, request)
                     return
                 connection.sendall(_encode_line(self._one_shot(op, request)))
-                if op == "shutdown":
+                if op == protocol.SHUTDOWN:
                     connection.close()
                     self._exit()
             except OSError:
@@ -1218,7 +1667,7 @@ class Daemon:
         # "wait": return after that many seconds even if the cell is not done (polling
         # clients, when the sandbox service cannot stream an exec's output).
         wait = request.get("wait")
-        if request["op"] == "run":
+        if request[protocol.OP] == protocol.RUN:
             cell = self._submit(request)
         else:
             cell = self._cells.get(_checked_cell_id(request.get("cell_id")))
@@ -1240,14 +1689,22 @@ class Daemon:
         with self._lock:
             cell = self._cells.get(cell_id)
             if cell is None:
+                comm_message = _comm_message(request.get("comm"))  # checked before anything is made
                 code = request["code"] if "code" in request else _take_code_file(request["code_file"])
                 count = request.get("execution_count")
                 cell = Cell(cell_id, code, bool(request.get("silent")), bool(request.get("store_history", True)),
                             os.path.join(self.journal_dir, cell_id + ".ndjson"),
                             count if isinstance(count, int) else None, OutputBudget.from_request(request))
+                cell.allow_stdin = bool(request.get("allow_stdin", True))
+                cell.comm = comm_message
+                expressions = request.get("user_expressions")
+                if isinstance(expressions, dict):
+                    cell.user_expressions = {str(k): str(v) for k, v in expressions.items()}
                 self._cells[cell_id] = cell
                 self._forget_old_cells()
                 self._queue.put(cell)
+                if self._loop is not None and self._cell_queued is not None:
+                    self._loop.call_soon_threadsafe(self._cell_queued.set)
         return cell
 
     def _forget_old_cells(self) -> None:
@@ -1260,21 +1717,25 @@ class Daemon:
                 pass
 
     def _one_shot(self, op: object, request: dict) -> dict:
-        if op == "interrupt":
+        if op == protocol.INTERRUPT:
             return {"ok": True, "running": self._interrupt()}
-        if op == "input":
+        if op == protocol.INPUT:
             value = None if request.get("eof") else str(request.get("value", ""))
-            return {"ok": self.inputs.answer(str(request.get("cell_id")), value)}
-        if op == "complete":
+            return {"ok": self.inputs.answer(str(request.get(protocol.CELL_ID)), value)}
+        if op == protocol.COMPLETE:
             return self.engine.complete(request["code"], int(request["cursor_pos"]))
-        if op == "inspect":
+        if op == protocol.INSPECT:
             return self.engine.inspect(request["code"], int(request["cursor_pos"]),
                                        int(request.get("detail_level") or 0))
-        if op == "info":
+        if op == protocol.INFO:
             return dict(self._info(), execution_count=self.engine.execution_count)
-        if op == "shutdown":
+        if op == protocol.SHUTDOWN:
             return {"ok": True}
-        if op == "fork":
+        if op == protocol.USAGE:
+            return self._usage.sample()
+        if op == protocol.COMM_INFO:
+            return {"comms": self.comms.info(request.get("target_name"))}
+        if op == protocol.FORK:
             return self._fork(request)
         raise ValueError("unknown op %r" % (op,))
 
@@ -1463,6 +1924,7 @@ class Daemon:
             if cell.stored and cell.started_count is not None:  # its number was handed out
                 self.engine.execution_count = max(self.engine.execution_count, cell.started_count + 1)
         self._queue = queue.Queue()
+        self._loop = self._cell_queued = None  # the parent's; _main_loop makes the child's
         self._lock = threading.Lock()
         self._fork_lock = threading.Lock()
         self._running = None
@@ -1471,6 +1933,88 @@ class Daemon:
 
         self.router.start_threads()
         self._start_serving()  # ready file and registration last: the child accepts by then
+
+
+class UsageMeter:
+    """CPU and memory of this daemon (with its children) and of the whole sandbox, for
+    the kernel's usage_reply, read from /proc. CPU is a percentage since the previous
+    sample (0 for the first, as psutil's cpu_percent)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float, int, int] | None = None  # time, our cpu s, busy and all ticks
+        self._lock = threading.Lock()
+
+    def sample(self) -> dict:
+        ticks, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
+        processes = _processes()
+        ours = _descendants(os.getpid(), processes)
+        cpu_seconds = sum(processes[pid][1] for pid in ours) / ticks
+        busy, total = _cpu_ticks()
+        now = time.monotonic()
+        usage = {
+            "hostname": socket.gethostname(), "pid": os.getpid(),
+            "cpu_count": len(os.sched_getaffinity(0)),
+            "kernel_memory": sum(processes[pid][2] for pid in ours) * page,
+            "sandbox_processes_memory": sum(rss for _, _, rss in processes.values()) * page,
+            "meminfo": _meminfo(),
+        }
+        with self._lock:
+            last, self._last = self._last, (now, cpu_seconds, busy, total)
+        usage["kernel_cpu"] = 0.0
+        if last is not None and now > last[0]:
+            usage["kernel_cpu"] = round(100.0 * max(cpu_seconds - last[1], 0.0) / (now - last[0]), 1)
+            if total > last[3]:
+                usage["host_cpu_percent"] = round(100.0 * (busy - last[2]) / (total - last[3]), 1)
+        return usage
+
+
+def _processes() -> dict:
+    """pid: (parent pid, cpu ticks used, resident pages) of every process this sandbox shows."""
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name) as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # After the command: state, ppid, ... utime (12th), stime (13th), ... rss (22nd).
+        found[int(name)] = (int(fields[1]), int(fields[11]) + int(fields[12]), int(fields[21]))
+    return found
+
+
+def _descendants(root: int, processes: dict) -> list:
+    children: dict = {}
+    for pid, (parent, _, _) in processes.items():
+        children.setdefault(parent, []).append(pid)
+    tree, pending = [], [root]
+    while pending:
+        pid = pending.pop()
+        if pid in processes:
+            tree.append(pid)
+            pending.extend(children.get(pid, []))
+    return tree
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, all) CPU ticks of the machine so far, from /proc/stat."""
+    with open("/proc/stat") as stat:
+        values = [int(value) for value in stat.readline().split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle and iowait
+    return sum(values) - idle, sum(values)
+
+
+def _meminfo() -> dict:
+    """MemTotal, MemAvailable and MemFree in bytes."""
+    wanted = {"MemTotal": "total", "MemAvailable": "available", "MemFree": "free"}
+    found = {}
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            key, _, rest = line.partition(":")
+            if key in wanted:
+                found[wanted[key]] = int(rest.split()[0]) * 1024
+    return found
 
 
 def _open_regular_files() -> list:

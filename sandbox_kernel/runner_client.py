@@ -1,6 +1,16 @@
-"""The runner's light client: hands one request to the runner daemon and relays its answer.
+"""The runner's light client: hands requests to the runner daemon and relays its answers.
 
     python3 -I -S runner_client.py run|attach|request DIR B64JSON
+    python3 -I -S runner_client.py channel DIR [BACKGROUND_AFTER]
+
+`channel` is the relay of the kernel's duplex channel (sandbox_kernel/channel.py): started
+once as a managed process, it holds one connection to the daemon for the kernel's lifetime,
+copies each stdin line (a request) to it and everything it sends (tagged events, replies)
+to stdout. Stdout is flow-controlled: at most CHANNEL_WINDOW bytes are written ahead of
+the kernel's acknowledgements (stdin lines `{"ack": BYTES}`, the stdout bytes it has
+received), so the service's retained output window, which a slow reader would fall out
+of, always holds what the kernel has not read yet. When the daemon closes the channel
+(it died), the relay says so in one {"error": ...} line and exits 1.
 
 The kernel uploads this file next to runner.py and starts it through the sandbox's exec
 API for every cell, interrupt, input answer and completion, so its start-up is part of
@@ -18,15 +28,23 @@ status 1, so the kernel always has JSON to parse. Must run on Python 3.8+.
 """
 
 import _socket
+import _thread
 import binascii
+import posix
 import sys
 
+# Words of runner_protocol.py, spelled here: this file imports built-in modules only.
 SOCKET_NAME = "runner.sock"  # as in runner.py
 COMMANDS = ("run", "attach", "request")
-USAGE = b"usage: runner_client.py run|attach|request DIR B64JSON\n"
+USAGE = b"usage: runner_client.py run|attach|request DIR B64JSON | channel DIR [BACKGROUND_AFTER]\n"
+# Under the local engine's 1 MiB retained window per process, with room for its per-chunk cost.
+CHANNEL_WINDOW = 768 * 1024
+ACK_PREFIX = b'{"ack": '
 
 
 def main(argv: list) -> int:
+    if argv[:1] == ["channel"] and len(argv) in (2, 3) and (len(argv) == 2 or argv[2].isdigit()):
+        return channel(argv[1], int(argv[2]) if len(argv) == 3 else None)
     if len(argv) != 3 or argv[0] not in COMMANDS:
         sys.stderr.buffer.write(USAGE)
         return 2
@@ -93,6 +111,77 @@ def relay(sock, out) -> tuple:
     complete_lines = tail.rsplit(b"\n", 2)
     last = complete_lines[-2] if len(complete_lines) >= 2 else b""
     return first, last
+
+
+class Credit:
+    """How many more bytes the relay may write before the kernel acknowledges some."""
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.acked = 0
+        self._gate = _thread.allocate_lock()
+        self._gate.acquire()  # released by each acknowledgement, to wake a waiting writer
+
+    def wait(self) -> int:
+        """Bytes that may be written now (> 0), waiting for an acknowledgement if none."""
+        while True:
+            room = CHANNEL_WINDOW - (self.written - self.acked)
+            if room > 0:
+                return room
+            self._gate.acquire(True, 0.5)
+
+    def ack(self, received: int) -> None:
+        self.acked = max(self.acked, min(received, self.written))
+        try:
+            self._gate.release()
+        except RuntimeError:  # not held: nobody is waiting
+            pass
+
+
+def channel(state_dir: str, background_after) -> int:
+    out = sys.stdout.buffer
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.connect(state_dir + "/" + SOCKET_NAME)
+        sock.sendall(b'{"op": "channel"}\n' if background_after is None else
+                     b'{"op": "channel", "background_after": %d}\n' % background_after)
+    except OSError as exc:
+        return error(out, "daemon unreachable: %s" % exc)
+    credit = Credit()
+    _thread.start_new_thread(forward_requests, (sock, credit))
+    while True:
+        try:
+            data = sock.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            break
+        while data:
+            room = credit.wait()
+            out.write(data[:room])
+            out.flush()
+            credit.written += min(room, len(data))
+            data = data[room:]
+    out.write(b"\n")  # after a partial line, if the daemon died while sending one
+    return error(out, "the runner daemon closed the channel")
+
+
+def forward_requests(sock, credit: Credit) -> None:
+    """Stdin lines to the daemon, but acknowledgements to the credit; EOF ends the relay."""
+    requests = sys.stdin.buffer
+    while True:
+        line = requests.readline()
+        if not line:
+            posix._exit(0)  # the kernel is done with this channel
+        if line.startswith(ACK_PREFIX):
+            digits = line[len(ACK_PREFIX):].rstrip(b"}\r\n ")
+            if digits.isdigit():
+                credit.ack(int(digits))
+            continue
+        try:
+            sock.sendall(line)
+        except OSError:
+            return  # the daemon is gone: the main thread reports it
 
 
 def error(out, message: str) -> int:

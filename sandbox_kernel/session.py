@@ -3,9 +3,12 @@
 Everything here goes through SandboxClient (the CreateOS REST API); nothing touches a
 process or file of the sandbox directly, so the same code drives CreateOS and the local
 engine. The runner (runner.py) is uploaded at start and run as a daemon holding the
-user's globals; each cell is one streaming exec of its light client, `runner_client.py
-run`, whose stdout is the cell's NDJSON events. If that stream drops, `run` is sent again with the last event
-seen, and the runner resumes the same cell from there, so nothing is lost or repeated.
+user's globals. The kernel talks to it over one duplex channel (channel.py: a managed
+process relaying requests and events) where the provider has managed processes; where
+it has not (decided once, at the first start), each cell is one streaming exec of the
+runner's light client, `runner_client.py run`, whose stdout is the cell's NDJSON events.
+If that stream drops, `run` is sent again with the last event seen, and the runner
+resumes the same cell from there, so nothing is lost or repeated.
 """
 
 from __future__ import annotations
@@ -41,17 +44,19 @@ from .api import (
     SandboxView,
     ServerError,
 )
-from . import names, ownership, pool, shutdown_policy
+from . import names, ownership, pool, runner_protocol as protocol, shutdown_policy
+from .channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxProcesses
 from .config import Settings, open_client
 from .cost import Cost, Meter
 
 log = logging.getLogger("sandbox_kernel.session")
 
-RUNNER_SOURCE = Path(__file__).with_name("runner.py")
-RUNNER_CLIENT_SOURCE = Path(__file__).with_name("runner_client.py")
 RUNNER_DIR = "/tmp/sandbox-kernel"
 RUNNER_PATH = f"{RUNNER_DIR}/runner.py"
 RUNNER_CLIENT_PATH = f"{RUNNER_DIR}/runner_client.py"
+# Uploaded at every runner start: the daemon, its protocol module and its light client.
+RUNNER_FILES = {f"{RUNNER_DIR}/{name}": Path(__file__).with_name(name)
+                for name in ("runner.py", "runner_protocol.py", "runner_client.py")}
 SANDBOX_PYTHON = "python3"
 # Keep each exec argument well under Linux's 128 KiB per-argument limit.
 MAX_INLINE_CODE = 64 * 1024
@@ -139,6 +144,14 @@ class SandboxSession:
         # Local engine: the OOM kills seen in each sandbox's view (more later = the memory
         # limit killed something since).
         self.oom_kills: dict[str, int] = {}
+        # The channel to the runner (channel.py), or None: one exec per request instead.
+        # Whether the provider has managed processes is learnt once, at the first start.
+        self.channel: RunnerChannel | None = None
+        self.use_channel: bool | None = None
+        self.open_channels = True  # False for a warm pool member: its kernel opens one later
+        # Output the runner sends between cells (a background thread's print): the kernel
+        # shows it on the last cell's parent.
+        self.on_background: EventHandler | None = None
 
     # -- start ----------------------------------------------------------------------------
 
@@ -217,6 +230,7 @@ class SandboxSession:
         member = SandboxSession(replace(self.settings, auto_pause=pool.MEMBER_AUTO_PAUSE, warm_pool=0,
                                         name=None))
         member.client = self._client()
+        member.open_channels = False
         self.making_pool_member = True
         try:
             await member._create()
@@ -261,11 +275,12 @@ class SandboxSession:
                 await self.resume(progress)
             if not fresh_runner:
                 try:
-                    info = await self.runner_request({"op": "info"})
+                    info = await self._exec_request({protocol.OP: protocol.INFO})
                 except SessionError:
                     info = {}
                 if "python_version" in info:
                     self.runner_info = info
+                    await self._open_channel()
                     return True
             await self.start_runner()
             return False
@@ -274,14 +289,14 @@ class SandboxSession:
             raise
 
     async def start_runner(self) -> None:
-        """Upload runner.py and its client and start its daemon; an older daemon is stopped first."""
+        """Upload the runner's files and start its daemon; an older daemon is stopped first."""
         client, sandbox_id = self._require()
         self._check(await client.exec(sandbox_id, "mkdir", ["-p", RUNNER_DIR]))
-        await client.upload_file(sandbox_id, RUNNER_PATH, RUNNER_SOURCE.read_bytes())
-        await client.upload_file(sandbox_id, RUNNER_CLIENT_PATH, RUNNER_CLIENT_SOURCE.read_bytes())
+        await asyncio.gather(*(client.upload_file(sandbox_id, path, source.read_bytes())
+                               for path, source in RUNNER_FILES.items()))
         # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
         # the shutdown of a daemon that is not there.
-        stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({"op": "shutdown"}))])
+        stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({protocol.OP: protocol.SHUTDOWN}))])
         script = (f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; "
                   f"nohup setsid {SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR} "
                   f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
@@ -300,7 +315,34 @@ class SandboxSession:
                 break
         result = self._check(response, what="the Python runner did not start")
         self.runner_info = json.loads(result.stdout)
+        await self._open_channel()
 
+    async def _open_channel(self, background_seq: int = 0) -> None:
+        """Open the channel to the runner now serving in this sandbox, replacing any other
+        (a background_seq: the same runner, whose between-cell output we saw up to it)."""
+        if not self.open_channels or self.use_channel is False:
+            return
+        client, sandbox_id = self._require()
+        channel = RunnerChannel(
+            SandboxProcesses(client, sandbox_id, SANDBOX_PYTHON),
+            lambda after: runner_client("channel", RUNNER_DIR, *([str(after)] if after else [])),
+            self.settings.output_limit + EVENT_LINE_SLACK, self._background_event, background_seq=background_seq)
+        try:
+            await channel.open()
+        except ChannelUnavailable as exc:
+            if self.use_channel:
+                raise RuntimeError(f"the runner's channel could not start: {exc}") from None
+            log.warning("no managed processes (%s): one exec per cell", exc)
+            self.use_channel = False
+            return
+        self.use_channel = True
+        old, self.channel = self.channel, channel
+        if old is not None:
+            await old.close()
+
+    async def _background_event(self, event: dict[str, Any]) -> None:
+        if self.on_background is not None:
+            await self.on_background(event)
     @staticmethod
     def _check(response: ExecResponse, what: str = "sandbox command failed") -> ExecResult:
         result = response.result
@@ -433,13 +475,17 @@ class SandboxSession:
     async def run_cell(self, cell_id: str, code: str, on_event: EventHandler, *,
                        silent: bool = False, store_history: bool = True,
                        execution_count: int | None = None,
-                       on_resume: Callable[[], Progress] | None = None) -> dict[str, Any]:
+                       on_resume: Callable[[], Progress] | None = None,
+                       fields: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run one cell, calling on_event for every event in order; return its done event.
+
+        fields: more of the execute_request for the runner (allow_stdin, user_expressions).
 
         A paused sandbox is resumed first (CreateOS answers 409 to an exec on it);
         on_resume() is called then, and gives the progress callback for the wait.
         """
-        kwargs = dict(silent=silent, store_history=store_history, execution_count=execution_count)
+        kwargs = dict(silent=silent, store_history=store_history, execution_count=execution_count,
+                      fields=fields or {})
         try:
             return await self._run_cell(cell_id, code, on_event, **kwargs)
         except ConflictError:
@@ -453,10 +499,12 @@ class SandboxSession:
             progress(f"resumed in {time.monotonic() - started:.1f} s")
         return await self._run_cell(cell_id, code, on_event, **kwargs)
 
-    async def _run_cell(self, cell_id: str, code: str, on_event: EventHandler, *,
-                        silent: bool, store_history: bool, execution_count: int | None) -> dict[str, Any]:
+    async def _run_cell(self, cell_id: str, code: str, on_event: EventHandler, *, silent: bool,
+                        store_history: bool, execution_count: int | None,
+                        fields: dict[str, Any]) -> dict[str, Any]:
         client, sandbox_id = self._require()
-        request: dict[str, Any] = {"cell_id": cell_id, "silent": silent,
+        await self._channel_up()
+        request: dict[str, Any] = {**fields, protocol.CELL_ID: cell_id, "silent": silent,
                                    "store_history": store_history,
                                    # the runner caps and paces the cell's output with these
                                    "output_limit": self.settings.output_limit,
@@ -469,6 +517,13 @@ class SandboxSession:
             request["code_file"] = code_file
         else:
             request["code"] = code
+        if self.channel is not None:
+            try:
+                return await self.channel.run_cell(cell_id, request, on_event)
+            except ChannelError as exc:
+                if exc.runner_gone:
+                    raise await self._runner_died(RunnerGone(str(exc))) from None
+                raise SessionError(str(exc)) from None
         stream = _EventStream(on_event, self.settings.output_limit + EVENT_LINE_SLACK)
         done = await self._follow(stream, request)
         failures = 0
@@ -520,8 +575,38 @@ class SandboxSession:
             return SessionError(f"cell killed: memory limit {view.mem_mib} MiB reached; {lost}")
         return SessionError(f"the Python runner in the sandbox died ({exc}); {lost}")
 
+    async def _channel_up(self) -> None:
+        """Before a request: a channel that ended is opened again (its runner died: a new one)."""
+        channel = self.channel
+        if channel is None or channel.alive:
+            return
+        if channel.failure is not None and channel.failure.runner_gone:
+            raise await self._runner_died(RunnerGone(str(channel.failure)))
+        await self._open_channel(channel.background_seq)  # only the connection was lost
+
     async def runner_request(self, message: dict[str, Any]) -> dict[str, Any]:
-        """One-shot runner operation (interrupt, input, complete, inspect, info)."""
+        """One-shot runner operation with an answer (complete, inspect, info)."""
+        await self._channel_up()
+        if self.channel is None:
+            return await self._exec_request(message)
+        try:
+            reply = await self.channel.request(message)
+        except (ChannelError, asyncio.TimeoutError) as exc:
+            raise SessionError(f"the Python runner in the sandbox is not answering ({exc})") from None
+        if "error" in reply:
+            raise SessionError(f"the Python runner refused {message.get('op')}: {reply['error']}")
+        return reply
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        """A runner request without an answer: one input line, or one exec without a channel.
+        Sent even while the channel's stream is down (it does not need it)."""
+        if self.channel is not None and self.channel.failure is None:
+            await self.channel.send(message)
+        else:
+            await self._exec_request(message)
+
+    async def _exec_request(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A runner request by one exec of its light client (no channel needed)."""
         client, sandbox_id = self._require()
         response = await client.exec(sandbox_id, SANDBOX_PYTHON,
                                      runner_client("request", RUNNER_DIR, encode_arg(message)))
@@ -531,14 +616,14 @@ class SandboxSession:
         return json.loads(lines[-1])
 
     async def interrupt(self) -> None:
-        await self.runner_request({"op": "interrupt"})
+        await self._send({protocol.OP: protocol.INTERRUPT})
 
     async def send_input(self, cell_id: str, value: str | None) -> None:
         """Answer the pending input(); None means the frontend cannot give input (EOF)."""
-        message: dict[str, Any] = {"op": "input", "cell_id": cell_id, "value": value or ""}
+        message: dict[str, Any] = {protocol.OP: protocol.INPUT, protocol.CELL_ID: cell_id, "value": value or ""}
         if value is None:
             message["eof"] = True
-        await self.runner_request(message)
+        await self._send(message)
 
     # -- end ------------------------------------------------------------------------------
 
@@ -553,8 +638,11 @@ class SandboxSession:
         if self.client is None:
             return []
         await self._stop_refill()
+        policy = policy or self.on_shutdown
+        # A sandbox that outlives the kernel keeps no relay of ours (the next kernel starts its own).
+        await self._stop_channel(kill=policy != "destroy")
         try:
-            return await shutdown_policy.apply_policy(self.client, policy or self.on_shutdown,
+            return await shutdown_policy.apply_policy(self.client, policy,
                                                       self.meter.prices, self.kept)
         finally:
             for sandbox_id in self.known:
@@ -568,10 +656,19 @@ class SandboxSession:
         owned = ownership.owned_here()
         ownership.await_successor(owned, RESTART_HANDOFF_WAIT)
         await self._stop_refill()
+        await self._stop_channel(kill=False)  # the successor's new runner ends it
         if self.client is not None:
             await self.client.aclose()
             self.client = None
         return owned
+
+
+    async def _stop_channel(self, kill: bool) -> None:
+        """Stop following the runner, and end its relay if `kill` (else it ends with the
+        runner or the sandbox)."""
+        if self.channel is not None:
+            await self.channel.close(kill=kill)
+            self.channel = None
 
 
 class _EventStream:
@@ -668,13 +765,13 @@ class _EventStream:
         except ValueError:  # cut off: the runner died while sending it (its client says so next)
             log.warning("skipped a partial event line from the runner")
             return None
-        if "seq" not in event:  # the runner's client: {"error": ...}
+        if protocol.SEQ not in event:  # the runner's client: {"error": ...}
             raise RunnerGone(str(event.get("error") or event))
-        if event["seq"] <= self.last_seq:
+        if event[protocol.SEQ] <= self.last_seq:
             return None  # replayed by attach: already delivered
-        self.last_seq = event["seq"]
+        self.last_seq = event[protocol.SEQ]
         self.client_failures = 0
-        if event["type"] == "done":
+        if event[protocol.TYPE] == protocol.DONE:
             return event
         await self.on_event(event)
         return None

@@ -9,6 +9,9 @@ gives up on a long-held request does. With `hold_status` = (real, shown), sandbo
 say `shown` where the engine says `real`, as a CreateOS transition taking minutes looks.
 With `hold_creates`, sandbox creations reach the engine but their answers never come back
 (a CreateOS create taking minutes); `held_creates` lists the ids the engine answered.
+With `refuse_processes`, creating a managed process is answered with a 404, as by a
+provider without them (the kernel then runs one exec per cell). The cuts apply to managed
+processes' `connect` streams as to streaming execs.
 
 It sits between a kernel and the real local engine, so the kernel's session meets a
 real dropped connection mid-cell (what a CreateOS gateway timeout looks like).
@@ -29,6 +32,11 @@ import pytest
 from sandbox_kernel.local.service import EngineEndpoint
 
 VIEW_REQUEST = re.compile(rb"GET /v1/sandboxes/[^/?\s]+ HTTP/1.1$")
+PROCESS_CREATE = re.compile(rb"POST /v1/sandboxes/[^/?\s]+/processes HTTP/1.1$")
+CONNECT_REQUEST = re.compile(rb"GET /v1/sandboxes/[^/?\s]+/processes/[^/?\s]+/connect\?")
+NOT_FOUND_BODY = b'{"status": "fail", "data": "not found"}'
+NOT_FOUND = (b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nConnection: close\r\n"
+             b"Content-Length: " + str(len(NOT_FOUND_BODY)).encode() + b"\r\n\r\n" + NOT_FOUND_BODY)
 BAD_GATEWAY_BODY = b'{"status": "error", "message": "bad gateway"}'
 BAD_GATEWAY = (b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nConnection: close\r\n"
                b"Content-Length: " + str(len(BAD_GATEWAY_BODY)).encode() + b"\r\n\r\n" + BAD_GATEWAY_BODY)
@@ -37,7 +45,7 @@ BAD_GATEWAY = (b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nC
 class FaultProxy:
     def __init__(self, upstream_port: int, cut_after_bytes: int = 0, max_cuts: int = 0,
                  stream_reply: bytes | None = None, create_replies: list[bytes] | None = None,
-                 hold_creates: bool = False) -> None:
+                 hold_creates: bool = False, refuse_processes: bool = False) -> None:
         self.upstream_port = upstream_port
         self.cut_after_bytes = cut_after_bytes
         self.max_cuts = max_cuts
@@ -45,6 +53,8 @@ class FaultProxy:
         self.create_replies = list(create_replies or [])
         self.creates_seen = 0
         self.hold_creates = hold_creates
+        self.refuse_processes = refuse_processes
+        self.refused_processes = 0
         self.held_creates: list[str] = []
         self.cuts = 0
         self.refused_streams = 0
@@ -92,9 +102,14 @@ class FaultProxy:
             while data := await client_r.read(65536):
                 if data[:8].split(b" ")[0] in (b"GET", b"POST", b"PUT", b"DELETE", b"PATCH"):
                     request_line = data.split(b"\r\n")[0]
-                    state.update(streaming=b"stream=true" in request_line, relayed=0)
+                    streams_output = b"stream=true" in request_line or CONNECT_REQUEST.match(request_line)
+                    state.update(streaming=bool(streams_output), relayed=0)
                     reply = None
-                    if state["streaming"] and self.stream_reply is not None:
+                    if self.refuse_processes and PROCESS_CREATE.match(request_line):
+                        self.refused_processes += 1
+                        reply = NOT_FOUND
+                    elif state["streaming"] and self.stream_reply is not None and not CONNECT_REQUEST.match(
+                            request_line):
                         self.refused_streams += 1
                         reply = self.stream_reply
                     elif request_line.startswith(b"POST /v1/sandboxes ") and self.hold_creates:

@@ -52,10 +52,11 @@ class Execution:
 
 def execute(kc: BlockingKernelClient, code: str, *, allow_stdin: bool = False,
             stdin_hook: Callable[[dict[str, Any]], None] | None = None,
-            timeout: float = TIMEOUT) -> Execution:
+            timeout: float = TIMEOUT, **request: Any) -> Execution:
+    """Run code as a frontend would; request: more execute_request fields (user_expressions...)."""
     messages: list[dict[str, Any]] = []
     reply = kc.execute_interactive(code, allow_stdin=allow_stdin, stdin_hook=stdin_hook,
-                                   output_hook=messages.append, timeout=timeout)
+                                   output_hook=messages.append, timeout=timeout, **request)
     return Execution(reply=reply, messages=messages)
 
 

@@ -15,7 +15,6 @@ import nbformat
 import papermill
 import pytest
 
-from kernel_helpers import PROVIDER
 from package_index import PACKAGE, serving_index
 
 pytestmark = pytest.mark.slow
@@ -50,7 +49,7 @@ def test_fork_explore(kernelspec: str, tmp_path: Path) -> None:
     build, fork, approach_a, approach_b, back_to_a, cleanup = run_example(
         "fork-explore.ipynb", tmp_path, kernelspec)
     fingerprint = build.split("fingerprint ")[1].split()[0]
-    assert f"ready on {PROVIDER}" in build and "200 points" in build
+    assert "ready on" not in build and "200 points" in build
     assert fork.count("Forked sb-") == 2 and "(approach-a)" in fork and "(approach-b)" in fork
     # Each fork has the data the original built, without recomputing it.
     assert f"fingerprint {fingerprint} (same data" in approach_a

@@ -13,7 +13,7 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
-from kernel_helpers import PROVIDER, TIMEOUT, execute, is_status_line, plain_traceback, running_kernel
+from kernel_helpers import PROVIDER, TIMEOUT, execute, plain_traceback, running_kernel
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +29,13 @@ def kc(kernel: tuple[KernelManager, BlockingKernelClient]) -> BlockingKernelClie
     return kernel[1]
 
 
-def test_first_cell_shows_where_it_runs(kc: BlockingKernelClient) -> None:
+def test_first_cell_shows_only_its_own_output(kc: BlockingKernelClient) -> None:
     first = execute(kc, "1")
-    status = [m for m in first.messages if is_status_line(m)]
-    assert status, "the first cell says which sandbox and provider it runs on"
-    assert f"on {PROVIDER}" in status[-1]["content"]["data"]["text/plain"]
-    assert execute(kc, "2").messages and not [m for m in execute(kc, "3").messages if is_status_line(m)]
+    assert [m["msg_type"] for m in first.messages if m["msg_type"] not in ("status", "execute_input")] == \
+        ["execute_result"], "the kernel adds no line of its own to the first cell"
+    # Where it runs is in the banner instead.
+    banner = kc.kernel_info(reply=True, timeout=TIMEOUT)["content"]["banner"]
+    assert f"ready on {PROVIDER}" in banner and "Sandbox sb-" in banner
 
 
 def test_kernel_info_reports_the_sandbox_python(kc: BlockingKernelClient) -> None:
@@ -179,7 +180,7 @@ def test_input_without_stdin_fails_cleanly(kc: BlockingKernelClient) -> None:
     result = execute(kc, "input('nobody will answer: ')", allow_stdin=False)
     assert result.reply["content"]["status"] == "error"
     [error] = result.of_type("error")
-    assert error["ename"] == "EOFError"
+    assert error["ename"] == "StdinNotImplementedError"  # as ipykernel raises
     assert "runner.py" not in plain_traceback(error["traceback"])
     assert execute(kc, "print('fine')").text() == "fine\n"
 

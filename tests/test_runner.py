@@ -514,3 +514,106 @@ def test_output_outside_cells_goes_to_log(daemon):
                "threading.Thread(target=lambda: (time.sleep(0.3), print('late output'))).start()")
     time.sleep(0.6)
     assert "late output" in daemon.log_text()
+
+
+# ------------------------------------------- what ipykernel does (issue 14)
+
+
+def result_text(events: list[dict]) -> str:
+    [result] = of_type(events, "execute_result")
+    return result["data"]["text/plain"]
+
+
+def run_request(daemon, **request) -> list[dict]:
+    result = daemon.command("run", {"cell_id": new_cell_id(), "silent": False, "store_history": True, **request})
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    return parse(result.stdout)
+
+
+def test_cells_run_on_an_event_loop_that_runs_between_them(daemon):
+    assert result_text(daemon.run("import asyncio\nawait asyncio.sleep(0)\n"
+                                  "asyncio.get_running_loop().is_running()")) == "True"
+    daemon.run("import threading\nloop_ran = threading.Event()\n"
+               "async def mark():\n    loop_ran.set()\n"
+               "marker = asyncio.get_running_loop().create_task(mark())")
+    assert result_text(daemon.run("loop_ran.is_set()")) == "True"
+
+
+def test_an_interrupt_cancels_an_awaiting_cell(daemon):
+    cell_id = new_cell_id()
+    client = daemon.popen("run", {"cell_id": cell_id, "silent": False, "store_history": True,
+                                  "code": "import asyncio\nprint('go', flush=True)\nawait asyncio.sleep(100)"})
+    read_until(client, "stream")
+    assert daemon.request({"op": "interrupt"}) == {"ok": True, "running": cell_id}
+    rest = read_until(client, "done")
+    assert client.wait(5) == 0
+    assert rest[-1]["status"] == "error"
+    assert of_type(rest, "error")[0]["ename"] in ("CancelledError", "KeyboardInterrupt")
+    assert stdout_of(daemon.run("print('still here')")) == "still here\n"
+
+
+def test_user_expressions_come_with_done(daemon):
+    events = run_request(daemon, code="base = 20", user_expressions={"sum": "base + 1", "bad": "nope"})
+    done = events[-1]
+    assert done["user_expressions"]["sum"] == {"status": "ok", "data": {"text/plain": "21"}, "metadata": {}}
+    assert done["user_expressions"]["bad"]["status"] == "error"
+    assert done["user_expressions"]["bad"]["ename"] == "NameError"
+    failed = run_request(daemon, code="1 / 0", user_expressions={"sum": "base + 1"})[-1]
+    assert failed["status"] == "error" and "user_expressions" not in failed
+
+
+def test_input_without_stdin_raises_stdin_not_implemented(daemon):
+    events = run_request(daemon, code="input()", allow_stdin=False)
+    assert not of_type(events, "input_request")
+    assert of_type(events, "error")[0]["ename"] == "StdinNotImplementedError"
+
+
+def test_pager_and_next_input_payloads(ipython_daemon):
+    [page] = ipython_daemon.run("len?")[-1]["payload"]
+    assert page["source"] == "page" and "Return the number of items" in page["data"]["text/plain"]
+    [next_input] = ipython_daemon.run("%recall 1")[-1]["payload"]
+    assert next_input["source"] == "set_next_input" and next_input["replace"] is False
+
+
+def test_output_of_a_forked_child(daemon):
+    events = daemon.run("import multiprocessing as mp\n"
+                        "child = mp.get_context('fork').Process(target=print, args=('child says hi',))\n"
+                        "child.start(); child.join()")
+    assert stdout_of(events) == "child says hi\n"
+
+
+def test_usage_measures_the_daemon_and_its_children(daemon):
+    first = daemon.request({"op": "usage"})
+    assert first["pid"] == daemon.proc.pid and first["kernel_cpu"] == 0.0
+    daemon.run("import subprocess, sys\n"
+               "sleeper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])")
+    second = daemon.request({"op": "usage"})
+    assert second["kernel_memory"] > first["kernel_memory"]  # the child's memory counts
+    assert second["kernel_cpu"] >= 0 and second["cpu_count"] >= 1
+    assert second["meminfo"]["total"] >= second["meminfo"]["available"] > 0
+    daemon.run("sleeper.kill(); sleeper.wait()")
+
+
+def test_comms_in_the_sandbox(daemon):
+    events = daemon.run("import comm\nc = comm.create_comm(target_name='t', data={'x': 1}, buffers=[b'\\x00'])")
+    [opened] = of_type(events, "comm")
+    assert opened["msg_type"] == "comm_open" and opened["content"]["target_name"] == "t"
+    assert opened["buffers"] == [base64.b64encode(b"\x00").decode()]
+    comm_id = opened["content"]["comm_id"]
+    assert daemon.request({"op": "comm_info", "target_name": "t"}) == {"comms": {comm_id: {"target_name": "t"}}}
+    daemon.run("got = []\nc.on_msg(lambda msg: got.append((msg['content']['data'], bytes(msg['buffers'][0]))))")
+    message = {"msg_type": "comm_msg", "content": {"comm_id": comm_id, "data": {"y": 2}},
+               "buffers": [base64.b64encode(b"\x01\x02").decode()]}
+    assert run_request(daemon, code="", silent=True, comm=message)[-1]["status"] == "ok"
+    assert result_text(daemon.run("got")) == "[({'y': 2}, b'\\x01\\x02')]"
+    refused = daemon.command("run", {"cell_id": new_cell_id(), "code": "", "comm": {"msg_type": "exec"}})
+    assert "comm request" in parse(refused.stdout)[0]["error"]
+
+
+def test_edit_tells_the_frontend_which_file_to_open(ipython_daemon):
+    ipython_daemon.run("with open('edited.py', 'w') as f:\n    f.write('x = 1\\n')")
+    events = ipython_daemon.run("%edit edited.py")
+    [payload] = events[-1]["payload"]
+    assert payload["source"] == "edit_magic" and payload["filename"].endswith("/edited.py")
+    assert events[-1]["status"] == "ok" and not of_type(events, "error")
+    assert ipython_daemon.run("%ed edited.py")[-1]["payload"][0]["source"] == "edit_magic"

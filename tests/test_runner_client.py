@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import select
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -74,3 +76,116 @@ def test_the_op_is_added_last_and_wait_is_read_without_parsing() -> None:
     assert waits_for_done(json.dumps({"code": "'\"wait\": 1'"}).encode())  # absent: follow
     assert waits_for_done(json.dumps({"wait": None}).encode())
     assert not waits_for_done(json.dumps({"code": "x", "wait": 1.0}).encode())
+
+
+# ------------------------------------------------------------------ channel (the relay)
+
+
+class Relay:
+    """`runner_client.py channel DIR` as the kernel starts it, its stdin and stdout ours."""
+
+    def __init__(self, daemon: Daemon, *args: str) -> None:
+        self.process = subprocess.Popen([sys.executable, "-I", "-S", str(CLIENT), "channel", daemon.dir, *args],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        self.received = 0
+
+    def send(self, message: dict) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(message).encode() + b"\n")
+        self.process.stdin.flush()
+
+    def ack(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(b'{"ack": %d}\n' % self.received)
+        self.process.stdin.flush()
+
+    def line(self) -> dict:
+        assert self.process.stdout is not None
+        raw = self.process.stdout.readline()
+        self.received += len(raw)
+        return json.loads(raw)
+
+    def until(self, predicate) -> list[dict]:
+        lines = [self.line()]
+        while not predicate(lines[-1]):
+            lines.append(self.line())
+        return lines
+
+    def close(self) -> int:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        return self.process.wait(10)
+
+
+def test_the_relays_words_are_the_protocols() -> None:
+    from sandbox_kernel import runner_client, runner_protocol
+    from sandbox_kernel.channel import ACK_EVERY
+
+    source = CLIENT.read_text()
+    assert f'{{"{runner_protocol.OP}": "{runner_protocol.CHANNEL}"' in source
+    assert f'"{runner_protocol.BACKGROUND_AFTER}": %d' in source
+    assert runner_client.SOCKET_NAME == "runner.sock" and ACK_EVERY < runner_client.CHANNEL_WINDOW
+
+
+def test_a_channel_carries_many_requests_with_tagged_events_and_replies(daemon: Daemon) -> None:
+    relay = Relay(daemon)
+    try:
+        first, second = new_cell_id(), new_cell_id()
+        relay.send({"op": "run", "cell_id": first, "code": "print('one')"})
+        events = relay.until(lambda event: event.get("type") == "done")
+        assert {event["cell"] for event in events} == {first}
+        assert [event["text"] for event in events if event["type"] == "stream"] == ["one\n"]
+        relay.send({"op": "info", "id": "r1"})
+        relay.send({"op": "run", "cell_id": second, "code": "1 / 0"})
+        lines = relay.until(lambda event: event.get("type") == "done")
+        [info] = [line for line in lines if line.get("reply") == "r1"]
+        assert info["python_version"]
+        assert lines[-1] == {"cell": second, "seq": lines[-1]["seq"], "type": "done", "status": "error",
+                             "execution_count": lines[-1]["execution_count"]}
+        relay.send({"op": "complete", "id": "r2", "code": "pri", "cursor_pos": 3})
+        assert "print" in relay.line()["matches"]
+        relay.send({"op": "nonsense", "id": "r3"})
+        assert relay.line()["error"].startswith("ValueError: unknown op")
+    finally:
+        assert relay.close() == 0, "the relay ends when the kernel closes its stdin"
+
+
+def test_output_between_cells_reaches_the_channel_untagged(daemon: Daemon) -> None:
+    relay = Relay(daemon)
+    try:
+        cell = new_cell_id()
+        relay.send({"op": "run", "cell_id": cell, "code": (
+            "import threading, time\n"
+            "threading.Thread(target=lambda: (time.sleep(0.3), print('later', flush=True))).start()")})
+        relay.until(lambda event: event.get("type") == "done")
+        later = relay.line()
+        assert later["cell"] is None and later["type"] == "stream" and later["text"] == "later\n"
+    finally:
+        relay.close()
+
+
+def test_the_relay_writes_no_further_ahead_of_the_kernel_than_its_window(daemon: Daemon) -> None:
+    from sandbox_kernel.runner_client import CHANNEL_WINDOW
+
+    relay = Relay(daemon)
+    out = relay.process.stdout
+    assert out is not None
+    try:
+        relay.send({"op": "run", "cell_id": new_cell_id(), "code": "import sys\nsys.stdout.write('z' * (4 << 20))",
+                    "output_rate": 0})
+        data = b""
+        # Unacknowledged, it stops at its window (the cell has 4 MiB to show).
+        while select.select([out], [], [], 1.0)[0]:
+            chunk = os.read(out.fileno(), 1 << 16)
+            assert chunk
+            data += chunk
+        assert 0 < len(data) <= CHANNEL_WINDOW
+        # Acknowledged as the kernel does (bytes received), it goes on to the end.
+        while b'"type": "done"' not in data:
+            relay.process.stdin.write(b'{"ack": %d}\n' % len(data))  # type: ignore[union-attr]
+            relay.process.stdin.flush()  # type: ignore[union-attr]
+            data += os.read(out.fileno(), 1 << 20)
+        events = [json.loads(line) for line in data.splitlines()]
+        assert "".join(e.get("text", "") for e in events if e["type"] == "stream") == "z" * (4 << 20)
+    finally:
+        relay.close()

@@ -1,24 +1,21 @@
-"""When the service cannot stream exec output (some CreateOS versions answer 404, or send
+"""On a provider without managed processes (the kernel then runs one exec per cell), when
+the service cannot stream exec output (some CreateOS versions answer 404, or send
 an `error` frame; a gateway answers a held exec with 502), cells are followed by polling
 the runner's journal with short buffered execs: slower, but nothing is lost or repeated,
 even when some of those execs fail with a 502 themselves."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from fault_proxy import BAD_GATEWAY, proxied_engine
+from fault_proxy import BAD_GATEWAY, NOT_FOUND, proxied_engine
 from kernel_helpers import Execution, execute, running_kernel
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
 
-NOT_FOUND = json.dumps({"status": "fail", "data": "not found"}).encode()
 REPLIES = {
-    "404": (b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b"Content-Length: " + str(len(NOT_FOUND)).encode() + b"\r\n\r\n" + NOT_FOUND),
+    "404": NOT_FOUND,
     "error frame": (b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nConnection: close\r\n\r\n"
                     b'{"error": "agent error: sandbox not found"}\n{"exit_code": -1}\n'),
     "502": BAD_GATEWAY,
@@ -37,7 +34,7 @@ def assert_counted_once(result: Execution) -> None:
 @pytest.mark.parametrize("failure", list(REPLIES))
 def test_cells_run_by_polling_when_streaming_is_unavailable(
         failure: str, kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    with proxied_engine(engine, monkeypatch, stream_reply=REPLIES[failure]) as proxy:
+    with proxied_engine(engine, monkeypatch, refuse_processes=True, stream_reply=REPLIES[failure]) as proxy:
         with running_kernel(kernelspec) as (_, kc):
             result = execute(kc, COUNTING_CELL)
             assert_counted_once(result)
@@ -46,11 +43,12 @@ def test_cells_run_by_polling_when_streaming_is_unavailable(
             error = execute(kc, "1 / 0").of_type("error")
             assert error[0]["ename"] == "ZeroDivisionError"
         assert proxy.refused_streams == 1, "after the first refusal the session stops asking"
+        assert proxy.refused_processes == 1, "whether there are managed processes is asked once"
 
 
 def test_buffered_execs_failing_with_502_lose_and_repeat_nothing(
         kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    with proxied_engine(engine, monkeypatch, stream_reply=REPLIES["404"]) as proxy:
+    with proxied_engine(engine, monkeypatch, refuse_processes=True, stream_reply=REPLIES["404"]) as proxy:
         with running_kernel(kernelspec) as (_, kc):
             assert execute(kc, "'polling now'").reply["content"]["status"] == "ok"
             # The cell's first exec never reaches the sandbox; the next two run there, but
@@ -64,7 +62,7 @@ def test_buffered_execs_failing_with_502_lose_and_repeat_nothing(
 
 def test_streams_dropping_before_any_output_give_way_to_polling(
         kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    with proxied_engine(engine, monkeypatch, cut_after_bytes=0, max_cuts=10) as proxy:
+    with proxied_engine(engine, monkeypatch, refuse_processes=True, cut_after_bytes=0, max_cuts=10) as proxy:
         with running_kernel(kernelspec) as (_, kc):
             assert_counted_once(execute(kc, COUNTING_CELL))
             assert proxy.cuts == 2, "two streams cut with nothing delivered, then polling"

@@ -4,7 +4,8 @@ then that the peak memory of the kernel and the engine grew by less than a state
 
 The runner's client (/tmp/sandbox-kernel/runner_client.py) lives where sandbox code can
 write, so the kernel does not trust it: every line it reads is bounded, and buffered exec
-output is capped by the engine.
+output is capped by the engine. The same holds for the channel's relay (a running
+runner_client.py channel), whose stdout any code in the sandbox can write to.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 from attack_helpers import ONCE
+from fault_proxy import proxied_engine
 from kernel_helpers import execute, running_kernel
 from memory_probe import MIB, memory_growth
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
@@ -56,10 +58,61 @@ open(client, 'w').write({EVIL_CLIENT.format(mib=mib)!r})
 
 
 @pytest.fixture(scope="module")
-def kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+def kernel(kernelspec: str, engine: EngineEndpoint) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    """On the exec-per-cell path (a provider without managed processes): the kernel starts
+    a runner client for every request, so a replaced client file is what it runs next."""
+    with pytest.MonkeyPatch.context() as monkeypatch, \
+            proxied_engine(engine, monkeypatch, refuse_processes=True):
+        env = {**os.environ, "SANDBOX_KERNEL_OUTPUT_LIMIT": "2"}
+        with running_kernel(kernelspec, env=env) as pair:
+            yield pair
+
+
+@pytest.fixture(scope="module")
+def channel_kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
     env = {**os.environ, "SANDBOX_KERNEL_OUTPUT_LIMIT": "2"}
     with running_kernel(kernelspec, env=env) as pair:
         yield pair
+
+
+# Writes N MiB of 'x' into the channel relay's stdout, then a newline: what any code in the
+# sandbox can put on the kernel's channel.
+RELAY_FLOOD = """
+import os
+def relay():
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            argv = open('/proc/%s/cmdline' % pid, 'rb').read().split(b'\\0')
+        except OSError:
+            continue
+        if any(arg.endswith(b'runner_client.py') for arg in argv) and b'channel' in argv:
+            return pid
+with open('/proc/%s/fd/1' % relay(), 'wb', buffering=0) as out:
+    block = b'x' * (1 << 20)
+    for _ in range({mib}):
+        out.write(block)
+    out.write(b'\\n')
+print('the cell ran')
+"""
+
+
+def test_an_unterminated_line_on_the_channel_is_dropped(channel_kernel, engine: EngineEndpoint) -> None:
+    km, kc = channel_kernel
+    execute(kc, "pass")
+    with memory_growth(kernel_pid(km)) as kernel_growth, memory_growth(engine.pid) as engine_growth:
+        run = execute(kc, RELAY_FLOOD.format(mib=300), timeout=300)
+    print(f"300 MiB line on the channel: kernel +{kernel_growth.mib:.0f} MiB, "
+          f"engine +{engine_growth.mib:.0f} MiB")
+    # The attack ran: the kernel saw a line too long to hold, or lost its middle to the
+    # service's window (the relay's flow control does not hold back other writers) ...
+    said = run.text("stderr")
+    assert "[sandbox-kernel] dropped a line of" in said or "chunks of output were lost" in said
+    # ... held none of it, and the cell and the next one ran.
+    assert run.reply["content"]["status"] == "ok"
+    assert "the cell ran\n" in run.text()
+    assert kernel_growth.mib < KERNEL_BOUND_MIB
+    assert engine_growth.mib < ENGINE_BOUND_MIB
+    assert execute(kc, "print(6 * 7)").text() == "42\n"
 
 
 def kernel_pid(km: KernelManager) -> int:

@@ -141,6 +141,23 @@ def test_output_forged_past_the_runner_is_capped_by_the_kernel(capped) -> None:
     assert_next_cell_works(kc)
 
 
+@pytest.mark.parametrize("kind", ["execute_result", "error"])
+def test_forged_results_and_errors_count_toward_the_cap(capped, kind: str) -> None:
+    """Every event kind counts in the kernel: results and errors forged into the runner's
+    record of the cell stop at the cap like stream text."""
+    _, kc = capped
+    fields = ("data={'text/plain': 'r' * 65536}, metadata={}" if kind == "execute_result" else
+              "ename='Forged', evalue='e' * 65536, traceback=[]")
+    result = execute(kc, "import gc\n"
+                         "cell = next(o for o in gc.get_objects()\n"
+                         "            if type(o).__name__ == 'Cell' and not o.finished)\n"
+                         f"for _ in range(100):\n    cell.emit({kind!r}, {fields})")
+    shown = result.of_type(kind)
+    assert 0 < len(shown) <= (SMALL_LIMIT + 128 * 1024) // 65536
+    assert result.text("stderr") == NOTICE
+    assert_next_cell_works(kc)
+
+
 def test_endless_displays_are_capped_too(capped) -> None:
     _, kc = capped
     result = execute(kc, "from IPython.display import display, HTML\n"

@@ -1,0 +1,345 @@
+"""The kernel's one duplex channel to its runner, over a managed process (CreateOS §15.3).
+
+At start (and after every runner start or sandbox switch) the session starts one managed
+process in the sandbox, `runner_client.py channel DIR`: a relay holding one connection to
+the runner daemon. Every request (run a cell, interrupt, input answer, complete, inspect,
+info) is one stdin line, sent with the process `input` call; every event comes back on
+the process's output stream, which the kernel follows with one `connect` for its
+lifetime. Events name their cell (`"cell": id`), or `"cell": null` for output produced
+between cells (a background thread, a subprocess), which the kernel shows on the parent
+of the last cell. Replies to one-shot requests carry the request's `"reply": id`.
+
+Recovery: the output stream is numbered (`seq` per chunk). A dropped `connect` is opened
+again with `after=<last seq>`: the service replays exactly what was missed. The relay
+writes at most its window of bytes ahead of the kernel's acknowledgements (`{"ack": N}`
+lines), so what the kernel has not read is always within the service's retained window;
+if it is not (a provider with a smaller window), the gap is said in the cell as one line.
+Interrupts are input lines too: they need no stream.
+
+Bounds: the relay's stdout is sandbox-controlled (code in the sandbox can replace the
+relay file). Lines are cut with BoundedLines (an unterminated line is counted, never
+held), nothing is stored per event, and events are checked before use: a line that is
+not an event of the cell in flight, the background, or a pending reply is ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from . import runner_protocol as protocol
+from .api import (
+    APITransportError,
+    BoundedLines,
+    ConflictError,
+    CreateProcessRequest,
+    OversizedLine,
+    ProcessFrame,
+    ProtocolError,
+    SandboxAPIError,
+    SandboxClient,
+    ServerError,
+)
+
+log = logging.getLogger("sandbox_kernel.channel")
+
+EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
+# Acknowledge the relay's output every this many bytes: a quarter of its window
+# (runner_client.CHANNEL_WINDOW), so it rarely waits for one.
+ACK_EVERY = 192 * 1024
+RECONNECT_DELAYS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
+REQUEST_TIMEOUT = 60.0  # seconds a one-shot request (complete, inspect, info) may take
+# Statuses with which a provider says it has no managed processes.
+NO_PROCESSES = (404, 405, 501)
+RECOVERABLE = (APITransportError, ProtocolError, ServerError)
+
+
+class ChannelUnavailable(Exception):
+    """The provider has no managed processes: the session uses one exec per cell instead."""
+
+
+class ChannelError(Exception):
+    """The channel cannot carry on: lost for good, or its relay ended (`runner_gone`)."""
+
+    def __init__(self, message: str, runner_gone: bool = False) -> None:
+        super().__init__(message)
+        self.runner_gone = runner_gone
+
+
+class ProcessTransport(Protocol):
+    """What the channel needs of managed processes (tests script it; see SandboxProcesses)."""
+
+    async def create(self, args: list[str]) -> str: ...
+
+    def connect(self, process_id: str, after: int) -> AbstractAsyncContextManager[AsyncIterator[ProcessFrame]]: ...
+
+    async def send(self, process_id: str, data: bytes) -> None: ...
+
+    async def kill(self, process_id: str) -> None: ...
+
+
+class SandboxProcesses:
+    """ProcessTransport over the CreateOS API (or the local engine, which speaks it)."""
+
+    def __init__(self, client: SandboxClient, sandbox_id: str, python: str) -> None:
+        self.client = client
+        self.sandbox_id = sandbox_id
+        self.python = python
+
+    async def create(self, args: list[str]) -> str:
+        try:
+            process = await self.client.create_process(self.sandbox_id,
+                                                       CreateProcessRequest(cmd=self.python, args=args))
+        except SandboxAPIError as exc:
+            if exc.status_code in NO_PROCESSES:
+                raise ChannelUnavailable(f"HTTP {exc.status_code} on creating a process") from None
+            raise
+        return process.process_id
+
+    @contextlib.asynccontextmanager
+    async def connect(self, process_id: str, after: int) -> AsyncIterator[AsyncIterator[ProcessFrame]]:
+        async with self.client.connect_process(self.sandbox_id, process_id, after=after) as frames:
+            yield frames.__aiter__()
+
+    async def send(self, process_id: str, data: bytes) -> None:
+        await self.client.process_input(self.sandbox_id, process_id, data)
+
+    async def kill(self, process_id: str) -> None:
+        await self.client.kill_process(self.sandbox_id, process_id)
+
+
+@dataclass
+class _CellFollow:
+    cell_id: str
+    on_event: EventHandler
+    done: asyncio.Future[dict[str, Any]]
+    last_seq: int = 0  # the cell's own event numbering (the runner's Cell)
+
+
+@dataclass
+class _Reading:
+    """Where the reader is in the process's output (kept across reconnects)."""
+
+    seq: int = 0  # last output chunk taken
+    received: int = 0  # stdout bytes taken
+    acked: int = 0
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+
+class RunnerChannel:
+    """One relay process and the stream of its output; see the module docstring."""
+
+    def __init__(self, transport: ProcessTransport, relay_args: Callable[[int], list[str]], line_limit: int,
+                 on_background: EventHandler, *, background_seq: int = 0) -> None:
+        self.transport = transport
+        self.relay_args = relay_args  # the relay's arguments, given the background seq to follow after
+        self.line_limit = line_limit
+        self.on_background = on_background
+        self.background_seq = background_seq
+        self.process_id = ""
+        self.failure: ChannelError | None = None  # why the channel ended, once it has
+        self._reading = _Reading()
+        self._lines = BoundedLines(line_limit)
+        self._cell: _CellFollow | None = None
+        self._replies: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._ids = itertools.count(1)
+        self._last_words = ""  # the relay's {"error": ...} line, before it exits
+        self._reader: asyncio.Task[None] | None = None
+        self._acks: set[asyncio.Task[None]] = set()
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and self._reader is not None
+
+    async def open(self) -> None:
+        """Start the relay and follow its output (ChannelUnavailable: no managed processes)."""
+        self.process_id = await self.transport.create(self.relay_args(self.background_seq))
+        self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+
+    async def close(self, kill: bool = True) -> None:
+        """Stop following, and end the relay if `kill` (best effort: it ends with its daemon)."""
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        self._end(ChannelError("the channel was closed"))
+        if kill and self.process_id:
+            with contextlib.suppress(SandboxAPIError, OSError):
+                await self.transport.kill(self.process_id)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def run_cell(self, cell_id: str, request: dict[str, Any], on_event: EventHandler) -> dict[str, Any]:
+        """Send a run request and deliver the cell's events in order; return its done event."""
+        self._check()
+        follow = _CellFollow(cell_id, on_event, asyncio.get_running_loop().create_future())
+        self._cell = follow
+        try:
+            await self.send({**request, protocol.OP: protocol.RUN, protocol.CELL_ID: cell_id})
+            return await follow.done
+        finally:
+            self._cell = None
+
+    async def request(self, message: dict[str, Any], timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+        """A one-shot request with a reply (complete, inspect, info)."""
+        self._check()
+        request_id = f"r{next(self._ids)}"
+        reply = self._replies[request_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self.send({**message, protocol.ID: request_id})
+            return await asyncio.wait_for(reply, timeout)
+        finally:
+            self._replies.pop(request_id, None)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """One request line (interrupt and input need no reply, nor the output stream)."""
+        await self.transport.send(self.process_id, (json.dumps(message) + "\n").encode())
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    # -- the output stream -----------------------------------------------------------------
+
+    async def _read_forever(self) -> None:
+        failures = 0
+        try:
+            while True:
+                progress = self._reading.seq
+                try:
+                    async with self.transport.connect(self.process_id, self._reading.seq) as frames:
+                        async for frame in frames:
+                            if await self._take(frame):
+                                return
+                except RECOVERABLE as exc:
+                    log.warning("channel stream dropped after seq %d: %s", self._reading.seq, exc)
+                except ConflictError:  # the sandbox is paused: its next cell resumes it
+                    await asyncio.sleep(RECONNECT_DELAYS[-1])
+                    continue
+                if self._reading.seq > progress:
+                    failures = 0
+                if failures == len(RECONNECT_DELAYS):
+                    self._end(ChannelError("lost the connection to the sandbox; the cell's output so far "
+                                           "is shown above"))
+                    return
+                await asyncio.sleep(RECONNECT_DELAYS[failures])
+                failures += 1
+        except SandboxAPIError as exc:  # the process or the sandbox is gone
+            self._end(ChannelError(f"the channel to the runner failed: {exc.user_message()}", runner_gone=True))
+        except Exception as exc:  # a bug of ours: end the cell with it rather than hang
+            log.exception("the channel reader failed")
+            self._end(ChannelError(f"internal error in the channel ({type(exc).__name__}: {exc})"))
+
+    async def _take(self, frame: ProcessFrame) -> bool:
+        """Handle one frame; True once the relay has exited."""
+        kind = frame.type.value
+        if kind == "error":
+            raise ProtocolError(f"error frame: {frame.error}")
+        if kind == "exit":
+            await self._lines_of(self._lines.close())
+            reason = self._last_words or f"its relay ended (exit code {frame.exit_code}, signal {frame.signal})"
+            self._end(ChannelError(reason, runner_gone=True))
+            return True
+        if kind != "data" or frame.seq is None or frame.seq <= self._reading.seq:
+            return False  # a heartbeat, or replayed after a reconnect: taken already
+        if frame.oldest_available_seq is not None and frame.oldest_available_seq > self._reading.seq + 1:
+            missed = frame.oldest_available_seq - self._reading.seq - 1
+            self._lines = BoundedLines(self.line_limit)  # its unfinished line lost its start
+            await self._notice(f"[sandbox-kernel] {missed} chunks of output were lost: the connection to the "
+                               "sandbox was down longer than the service keeps output\n")
+        self._reading.seq = frame.seq
+        if frame.stream is None or frame.stream.value != "stdout":
+            return False  # the relay's stderr: nothing the kernel needs
+        data = frame.data
+        self._reading.received += len(data)
+        for line in self._lines.feed(self._reading.decoder.decode(data)):
+            await self._lines_of(line)
+        if self._reading.received - self._reading.acked >= ACK_EVERY:
+            self._acknowledge()
+        return False
+
+    def _acknowledge(self) -> None:
+        self._reading.acked = self._reading.received
+        task = asyncio.get_running_loop().create_task(self._send_ack(self._reading.acked))
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
+
+    async def _send_ack(self, received: int) -> None:
+        try:
+            await self.transport.send(self.process_id, b'{"ack": %d}\n' % received)
+        except (SandboxAPIError, OSError) as exc:  # the next one acknowledges this too
+            log.warning("channel acknowledgement failed: %s", exc)
+
+    async def _lines_of(self, line: str | OversizedLine) -> None:
+        if isinstance(line, OversizedLine):
+            await self._notice(f"[sandbox-kernel] dropped a line of {line.size / 2**20:.1f} MiB from the sandbox: "
+                               f"longer than the {self.line_limit / 2**20:g} MiB a runner event may be\n")
+            return
+        if not line.strip():
+            return
+        try:
+            event = json.loads(line)
+        except ValueError:  # cut off by a dying daemon, or not ours
+            log.warning("skipped a line from the channel that is not JSON")
+            return
+        if isinstance(event, dict):
+            await self._dispatch(event)
+
+    async def _dispatch(self, event: dict[str, Any]) -> None:
+        reply_to, cell_id, seq = event.get(protocol.REPLY), event.get(protocol.CELL), event.get(protocol.SEQ)
+        if isinstance(reply_to, str) or (protocol.ERROR in event and protocol.SEQ not in event):
+            self._answer(event)
+        elif protocol.CELL not in event or not isinstance(seq, int) or not isinstance(event.get(protocol.TYPE), str):
+            return  # not an event
+        elif cell_id is None:
+            if seq > self.background_seq:
+                self.background_seq = seq
+                await self.on_background(event)
+        elif self._cell is not None and cell_id == self._cell.cell_id and seq > self._cell.last_seq:
+            follow = self._cell
+            follow.last_seq = seq
+            if event[protocol.TYPE] == protocol.DONE:
+                if not follow.done.done():
+                    follow.done.set_result(event)
+            else:
+                await follow.on_event(event)
+
+    def _answer(self, event: dict[str, Any]) -> None:
+        """A reply, or an error about a request (with its id or cell), or the relay's last words."""
+        reply = self._replies.get(event.get(protocol.REPLY) or event.get(protocol.ID))  # type: ignore[arg-type]
+        if reply is not None and not reply.done():
+            reply.set_result(event)
+            return
+        message = str(event.get(protocol.ERROR))[:500]
+        if self._cell is not None and event.get(protocol.CELL_ID) == self._cell.cell_id:
+            if not self._cell.done.done():
+                self._cell.done.set_exception(ChannelError(f"the runner refused the cell: {message}"))
+        elif protocol.REPLY not in event and protocol.ERROR in event:
+            self._last_words = message
+
+    async def _notice(self, text: str) -> None:
+        """One line from the kernel, in the cell in flight (else on the last cell's parent)."""
+        event = {protocol.TYPE: protocol.STREAM, "name": "stderr", "text": text}
+        if self._cell is not None:
+            await self._cell.on_event(event)
+        else:
+            await self.on_background(event)
+
+    def _end(self, failure: ChannelError) -> None:
+        """The channel is over: everything waiting on it hears why."""
+        if self.failure is None:
+            self.failure = failure
+        if self._cell is not None and not self._cell.done.done():
+            self._cell.done.set_exception(self.failure)
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(self.failure)

@@ -1,0 +1,56 @@
+"""The words the kernel and its runner speak: request ops, event types and channel fields.
+
+Shared by both sides: the kernel imports it as sandbox_kernel.runner_protocol, and the
+session uploads it next to runner.py, which imports it as a sibling module in the sandbox
+(stdlib-only, Python 3.8+, no imports, like runner.py). runner_client.py, which must start
+in a bare interpreter with built-in modules only, spells the few words it needs itself
+(its tests check that they match).
+
+A request is one JSON object ``{"op": ..., ...}``. Over a channel (runner_client.py
+channel) every event line carries ``CELL`` (the cell's id, or null between cells) and its
+``SEQ`` (numbered per cell, and per channel for the between-cell ones); a one-shot
+request that carries ``ID`` is answered by one line with ``REPLY`` set to it. A request
+the runner refuses is answered by ``{"error": ...}`` with its ``ID`` or ``CELL_ID``.
+"""
+
+# Request ops
+RUN = "run"  # a cell: code (or code_file), cell_id, silent, store_history, execution_count, output
+# limits, allow_stdin, user_expressions, or comm (a frontend's comm message to deliver instead of code)
+ATTACH = "attach"  # follow a cell already submitted (exec-per-cell clients)
+INTERRUPT = "interrupt"
+INPUT = "input"  # the answer to an input_request: cell_id, value, eof
+COMPLETE = "complete"
+INSPECT = "inspect"
+INFO = "info"
+SHUTDOWN = "shutdown"
+FORK = "fork"  # the local agent's, not the kernel's
+USAGE = "usage"  # the sandbox's CPU and memory, for usage_reply
+COMM_INFO = "comm_info"  # the comms open in the sandbox: target_name (optional)
+CHANNEL = "channel"  # first line of a relay's connection: many requests follow on it
+# Handled at once on a channel, never queued behind a completion (they need no answer).
+IMMEDIATE_OPS = (INTERRUPT, INPUT, SHUTDOWN)
+
+# Fields
+OP = "op"
+ID = "id"
+REPLY = "reply"
+CELL = "cell"
+CELL_ID = "cell_id"
+SEQ = "seq"
+TYPE = "type"
+ERROR = "error"
+AFTER = "after"
+BACKGROUND_AFTER = "background_after"
+
+# Event types (Jupyter's message types where there is one)
+STARTED = "started"
+STREAM = "stream"
+DISPLAY_DATA = "display_data"
+UPDATE_DISPLAY_DATA = "update_display_data"
+CLEAR_OUTPUT = "clear_output"
+EXECUTE_RESULT = "execute_result"
+ERROR_EVENT = "error"
+INPUT_REQUEST = "input_request"
+ASK_EXIT = "ask_exit"
+COMM = "comm"  # a comm message the sandbox sends: msg_type, content, metadata, buffers (base64)
+DONE = "done"  # the last event of a cell: status ok, error or unknown

@@ -1,0 +1,271 @@
+"""The channel's recovery logic (sandbox_kernel/channel.py) against a scripted managed process:
+no engine, no sandbox. The process keeps a numbered output window as a provider does, and
+its connections are cut, rewound or left behind the window as the test says."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from sandbox_kernel import channel as channel_module
+from sandbox_kernel.api import APITransportError, ProcessFrame
+from sandbox_kernel.channel import ACK_EVERY, ChannelError, RunnerChannel
+
+LINE_LIMIT = 1 << 20
+Events = Callable[[dict[str, Any]], list[dict[str, Any]]]
+
+
+class ScriptedProcess:
+    """A relay's output as a provider keeps it: chunks numbered from 1, the newest
+    `window` of them retained. Requests written to it are answered by `respond`, whose
+    events are written as lines cut into `chunk`-byte pieces (so lines span chunks)."""
+
+    def __init__(self, respond: Events, chunk: int = 7, window: int = 10_000) -> None:
+        self.respond = respond
+        self.chunk = chunk
+        self.window = window
+        self.output: list[bytes] = []
+        self.cuts: list[int] = []  # connection n is cut after cuts[n] frames (then they pass)
+        self.rewind = 0  # a server that replays this many frames before `after`
+        self.connects: list[int] = []  # the `after` of each connect
+        self.sent: list[bytes] = []
+        self.exit_frame: dict[str, Any] | None = None
+        self.connect_fails = 0  # the next this many connects fail at once
+        self._changed = asyncio.Condition()
+
+    async def write(self, data: bytes) -> None:
+        async with self._changed:
+            self.output += [data[i:i + self.chunk] for i in range(0, len(data), self.chunk)]
+            self._changed.notify_all()
+
+    async def exit(self, last_words: bytes, **frame: Any) -> None:
+        await self.write(last_words)
+        async with self._changed:
+            self.exit_frame = {"type": "exit", "seq": len(self.output), **frame}
+            self._changed.notify_all()
+
+    # -- ProcessTransport
+
+    async def create(self, args: list[str]) -> str:
+        return "proc-1"
+
+    @contextlib.asynccontextmanager
+    async def connect(self, process_id: str, after: int) -> AsyncIterator[AsyncIterator[ProcessFrame]]:
+        self.connects.append(after)
+        if self.connect_fails:
+            self.connect_fails -= 1
+            raise APITransportError("connection refused")
+        cut = self.cuts[len(self.connects) - 1] if len(self.connects) <= len(self.cuts) else None
+        yield self._frames(max(0, after - self.rewind), cut)
+
+    async def _frames(self, after: int, cut: int | None) -> AsyncIterator[ProcessFrame]:
+        seq, sent = after, 0
+        oldest = max(1, len(self.output) - self.window + 1)
+        if seq + 1 < oldest:  # fell out of the window
+            seq = oldest - 1
+            yield self._data(seq + 1, oldest_available_seq=oldest)
+            seq, sent = seq + 1, 1
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: len(self.output) > seq or self.exit_frame is not None)
+            if len(self.output) > seq:
+                if cut is not None and sent >= cut:
+                    raise APITransportError("cut by the test")
+                seq += 1
+                sent += 1
+                yield self._data(seq)
+            else:
+                yield ProcessFrame.model_validate(self.exit_frame)
+                return
+
+    def _data(self, seq: int, **extra: Any) -> ProcessFrame:
+        return ProcessFrame.model_validate({"type": "data", "seq": seq, "stream": "stdout",
+                                            "data_base64": base64.b64encode(self.output[seq - 1]).decode(),
+                                            **extra})
+
+    async def send(self, process_id: str, data: bytes) -> None:
+        self.sent.append(data)
+        request = json.loads(data)
+        if "ack" not in request:
+            for event in self.respond(request):
+                await self.write(json.dumps(event).encode() + b"\n")
+
+    async def kill(self, process_id: str) -> None:
+        pass
+
+
+def printing_cell(lines: int) -> Events:
+    """A runner whose every cell prints `lines` numbered lines, then ends."""
+    def respond(request: dict[str, Any]) -> list[dict[str, Any]]:
+        if request.get("op") != "run":
+            return [{"reply": request.get("id"), "op": request.get("op")}] if "id" in request else []
+        cell = request["cell_id"]
+        events = [{"cell": cell, "seq": i + 1, "type": "stream", "name": "stdout", "text": f"{i}\n"}
+                  for i in range(lines)]
+        return events + [{"cell": cell, "seq": lines + 1, "type": "done", "status": "ok"}]
+    return respond
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.background: list[dict[str, Any]] = []
+
+    async def cell(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+
+    async def between_cells(self, event: dict[str, Any]) -> None:
+        self.background.append(event)
+
+    def text(self, name: str = "stdout") -> str:
+        return "".join(e["text"] for e in self.events if e["type"] == "stream" and e["name"] == name)
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(channel_module, "RECONNECT_DELAYS", (0.0,) * 4)
+
+
+async def open_channel(process: ScriptedProcess, recorder: Recorder) -> RunnerChannel:
+    channel = RunnerChannel(process, lambda after: ["channel", str(after)], LINE_LIMIT, recorder.between_cells)
+    await channel.open()
+    return channel
+
+
+async def run(channel: RunnerChannel, recorder: Recorder, cell_id: str = "c1") -> dict[str, Any]:
+    return await asyncio.wait_for(channel.run_cell(cell_id, {"code": "..."}, recorder.cell), 10)
+
+
+async def test_a_stream_cut_three_times_mid_cell_loses_and_repeats_nothing() -> None:
+    process, recorder = ScriptedProcess(printing_cell(200)), Recorder()
+    process.cuts = [40, 40, 40]  # frames of 7 bytes: each cut falls inside a line
+    channel = await open_channel(process, recorder)
+    done = await run(channel, recorder)
+    assert done["status"] == "ok"
+    assert recorder.text() == "".join(f"{i}\n" for i in range(200))
+    assert process.connects == [0, 40, 80, 120], "each reconnect asks for what follows the last chunk"
+    await channel.close()
+
+
+async def test_frames_replayed_by_the_server_are_taken_once() -> None:
+    process, recorder = ScriptedProcess(printing_cell(50)), Recorder()
+    process.cuts, process.rewind = [10, 10], 6
+    channel = await open_channel(process, recorder)
+    await run(channel, recorder)
+    assert recorder.text() == "".join(f"{i}\n" for i in range(50))
+    await channel.close()
+
+
+async def test_a_gap_beyond_the_window_is_one_line_in_the_cell() -> None:
+    process, recorder = ScriptedProcess(printing_cell(300), window=40), Recorder()
+    process.cuts = [5]
+    channel = await open_channel(process, recorder)
+    # The second connection starts once the cell's output has long left the window.
+    done = await run(channel, recorder)
+    assert done["status"] == "ok"
+    [notice] = [e["text"] for e in recorder.events if e["name"] == "stderr"]
+    assert notice.startswith("[sandbox-kernel] ") and "chunks of output were lost" in notice
+    shown = recorder.text().splitlines()
+    assert shown[-1] == "299" and len(shown) < 300 and len(set(shown)) == len(shown)
+    await channel.close()
+
+
+async def test_output_between_cells_goes_to_the_background_handler_once() -> None:
+    process, recorder = ScriptedProcess(printing_cell(1)), Recorder()
+    process.cuts = [3]
+    channel = await open_channel(process, recorder)
+    await run(channel, recorder)
+    for seq in (1, 2, 2, 3):  # one replayed by a confused runner
+        await process.write(json.dumps({"cell": None, "seq": seq, "type": "stream", "name": "stdout",
+                                        "text": f"bg {seq}\n"}).encode() + b"\n")
+    await asyncio.wait_for(_until(lambda: len(recorder.background) == 3), 10)
+    assert [e["text"] for e in recorder.background] == ["bg 1\n", "bg 2\n", "bg 3\n"]
+    assert channel.background_seq == 3
+    await channel.close()
+
+
+async def test_forged_and_oversized_lines_are_dropped_and_the_cell_still_ends() -> None:
+    def respond(request: dict[str, Any]) -> list[dict[str, Any]]:
+        return []
+
+    process, recorder = ScriptedProcess(respond, chunk=64 * 1024), Recorder()
+    channel = await open_channel(process, recorder)
+    cell = asyncio.ensure_future(run(channel, recorder))
+    await asyncio.sleep(0)
+    junk = [b"x" * (10 * LINE_LIMIT) + b"\n", b"not json\n", b"[1, 2]\n", b"\xff\xfe\n",
+            b'{"cell": "other", "seq": 1, "type": "stream", "name": "stdout", "text": "forged"}\n',
+            b'{"reply": "r999", "matches": []}\n', b'{"cell": "c1", "type": "stream", "text": "no seq"}\n',
+            b'{"cell": "c1", "seq": 1, "type": "stream", "name": "stdout", "text": "real"}\n',
+            b'{"cell": "c1", "seq": 1, "type": "stream", "name": "stdout", "text": "twice"}\n',
+            b'{"cell": "c1", "seq": 2, "type": "done", "status": "ok"}\n']
+    for line in junk:
+        await process.write(line)
+    assert (await cell)["status"] == "ok"
+    assert recorder.text() == "real"
+    [notice] = [e["text"] for e in recorder.events if e["name"] == "stderr"]
+    assert notice.startswith("[sandbox-kernel] dropped a line of 10.0 MiB")
+    await channel.close()
+
+
+async def test_replies_are_matched_to_their_requests() -> None:
+    process, recorder = ScriptedProcess(printing_cell(0)), Recorder()
+    channel = await open_channel(process, recorder)
+    first, second = await asyncio.gather(channel.request({"op": "complete"}), channel.request({"op": "inspect"}))
+    assert (first["op"], second["op"]) == ("complete", "inspect")
+    await channel.close()
+
+
+async def test_the_relay_ending_fails_the_cell_with_its_last_words() -> None:
+    process, recorder = ScriptedProcess(lambda request: []), Recorder()
+    channel = await open_channel(process, recorder)
+    cell = asyncio.ensure_future(run(channel, recorder))
+    await asyncio.sleep(0)
+    await process.exit(b'\n{"error": "the runner daemon closed the channel"}\n', exit_code=1)
+    with pytest.raises(ChannelError) as failure:
+        await cell
+    assert failure.value.runner_gone and str(failure.value) == "the runner daemon closed the channel"
+    assert not channel.alive
+
+
+async def test_output_is_acknowledged_so_the_relay_can_write_on() -> None:
+    big = "y" * 100_000
+    process = ScriptedProcess(lambda request: [
+        {"cell": "c1", "seq": i + 1, "type": "stream", "name": "stdout", "text": big} for i in range(5)
+    ] + [{"cell": "c1", "seq": 6, "type": "done", "status": "ok"}] if request.get("op") == "run" else [],
+        chunk=64 * 1024)
+    recorder = Recorder()
+    channel = await open_channel(process, recorder)
+    await run(channel, recorder)
+    await asyncio.wait_for(_until(lambda: any(b'"ack"' in data for data in process.sent)), 10)
+    acks = [json.loads(data)["ack"] for data in process.sent if b'"ack"' in data]
+    assert acks == sorted(acks) and acks[0] >= ACK_EVERY
+    await channel.close()
+
+
+async def test_requests_go_out_while_the_stream_is_down() -> None:
+    process, recorder = ScriptedProcess(lambda request: []), Recorder()
+    process.connect_fails = 3
+    channel = await open_channel(process, recorder)
+    await channel.send({"op": "interrupt"})
+    assert json.loads(process.sent[0]) == {"op": "interrupt"}
+    await channel.close()
+
+
+async def test_a_stream_that_never_comes_back_ends_the_cell_with_one_error() -> None:
+    process, recorder = ScriptedProcess(lambda request: []), Recorder()
+    process.connect_fails = 100
+    channel = await open_channel(process, recorder)
+    with pytest.raises(ChannelError) as failure:
+        await run(channel, recorder)
+    assert "lost the connection to the sandbox" in str(failure.value) and not failure.value.runner_gone
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)

@@ -1,0 +1,374 @@
+"""What ipykernel does that a frontend or a peer test suite relies on, across the sandbox
+boundary: no output nobody asked for, honest kernel_info, user_expressions, stdin errors,
+pager and next-input payloads, an asyncio loop, an interruptible pdb, subprocess output,
+usage_request. Every message received is checked against the messaging spec (message_spec.py).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.manager import KernelManager
+
+from fault_proxy import proxied_engine
+from kernel_helpers import PROVIDER, TIMEOUT, Execution, execute, is_status_line, plain_traceback, running_kernel
+from message_spec import validate
+from sandbox_kernel.local.service import EngineEndpoint
+
+pytestmark = pytest.mark.slow
+
+
+def run(kc: BlockingKernelClient, code: str, **kwargs: Any) -> Execution:
+    """Execute, checking the reply and every iopub message against the spec."""
+    result = execute(kc, code, **kwargs)
+    for msg in [result.reply, *result.messages]:
+        validate(msg)
+    return result
+
+
+def control(kc: BlockingKernelClient, msg_type: str, content: dict[str, Any]) -> dict[str, Any]:
+    """A control-channel request and its (validated) reply."""
+    msg = kc.session.msg(msg_type, content)
+    kc.control_channel.send(msg)
+    while True:
+        reply = kc.control_channel.get_msg(timeout=TIMEOUT)
+        if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+            validate(reply)
+            return reply
+
+
+@pytest.fixture(scope="module")
+def kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    with running_kernel(kernelspec) as pair:
+        yield pair
+
+
+@pytest.fixture
+def kc(kernel: tuple[KernelManager, BlockingKernelClient]) -> BlockingKernelClient:
+    return kernel[1]
+
+
+# -- 1. no output the user did not ask for ------------------------------------------------
+
+def test_a_silent_first_execution_outputs_nothing(kernelspec: str) -> None:
+    with running_kernel(kernelspec) as (_, kc):
+        silent_id = kc.execute("x = 1", silent=True)
+        reply = kc.get_shell_msg(timeout=TIMEOUT)
+        while reply["parent_header"]["msg_id"] != silent_id:  # the start's kernel_info_reply
+            reply = kc.get_shell_msg(timeout=TIMEOUT)
+        validate(reply)
+        assert reply["content"]["status"] == "ok"
+        first = run(kc, "x + 1")
+        assert [m["msg_type"] for m in first.messages if m["msg_type"] != "status"] == \
+            ["execute_input", "execute_result"]
+        seen = []
+        while True:  # everything iopub carried, the silent execution's included
+            try:
+                seen.append(kc.get_iopub_msg(timeout=0.5))
+            except queue.Empty:
+                break
+        assert not [m for m in seen if m["parent_header"].get("msg_id") == silent_id
+                    and m["msg_type"] not in ("status",)], "a silent execution shows nothing"
+
+
+def test_the_ready_line_is_an_opt_in(kernelspec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SANDBOX_KERNEL_SHOW_READY", "true")
+    with running_kernel(kernelspec) as (_, kc):
+        [line] = [m for m in run(kc, "1").messages if is_status_line(m)]
+        assert f"ready on {PROVIDER}" in line["content"]["data"]["text/plain"]
+        assert not [m for m in run(kc, "2").messages if is_status_line(m)]
+
+
+def test_a_slow_start_shows_progress_that_becomes_the_ready_line(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    # CreateOS answers the create with "429, retry after 16 s"; the cell is sent at once,
+    # without waiting for kernel_info (which waits for the sandbox).
+    slow_down = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+                 b"Retry-After: 16\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
+    with proxied_engine(engine, monkeypatch, create_replies=[slow_down]):
+        km = KernelManager(kernel_name=kernelspec)
+        km.start_kernel()
+        kc = km.client()
+        kc.start_channels()
+        try:
+            first = run(kc, "print('ran')")
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel()
+    lines = [m["content"] for m in first.messages if is_status_line(m)]
+    assert lines[0]["data"]["text/plain"] == "Starting a sandbox on CreateOS…"
+    assert "ready on CreateOS" in lines[-1]["data"]["text/plain"]
+    assert lines[-1]["transient"]["display_id"] == lines[0]["transient"]["display_id"]
+    assert first.text() == "ran\n"
+
+
+# -- 2. kernel_info says only what works ----------------------------------------------------
+
+def test_kernel_info_advertises_no_debugger_or_subshells(kc: BlockingKernelClient) -> None:
+    info = kc.kernel_info(reply=True, timeout=TIMEOUT)
+    validate(info)
+    assert info["content"]["supported_features"] == []
+    assert "debugger" not in info["content"] or info["content"]["debugger"] is False
+    # Requests for them are answered (unsuccessfully), not left to time out.
+    debug = control(kc, "debug_request", {"type": "request", "seq": 1, "command": "initialize",
+                                          "arguments": {}})["content"]
+    assert debug["success"] is False and debug["request_seq"] == 1
+    subshell = control(kc, "create_subshell_request", {})["content"]
+    assert subshell["status"] == "error" and subshell["ename"] == "NotImplementedError"
+
+
+# -- 3. user_expressions --------------------------------------------------------------------
+
+def test_user_expressions_are_evaluated_in_the_sandbox(kc: BlockingKernelClient) -> None:
+    result = run(kc, "import socket\nanswer = 6", user_expressions={
+        "product": "answer * 7", "where": "socket.gethostname()", "broken": "1 / 0"})
+    found = result.reply["content"]["user_expressions"]
+    assert found["product"] == {"status": "ok", "data": {"text/plain": "42"}, "metadata": {}}
+    assert found["where"]["data"]["text/plain"] == repr(run(kc, "import socket; print(socket.gethostname())")
+                                                        .text().strip())
+    assert found["broken"]["status"] == "error" and found["broken"]["ename"] == "ZeroDivisionError"
+    # An empty cell evaluates them too; a failed one does not (as under ipykernel).
+    assert run(kc, "", user_expressions={"a": "answer"}).reply["content"]["user_expressions"]["a"]["data"] == \
+        {"text/plain": "6"}
+    failed = run(kc, "1 / 0", user_expressions={"a": "answer"}).reply["content"]
+    assert failed["status"] == "error" and not failed.get("user_expressions")
+
+
+# -- 4. input() without stdin ---------------------------------------------------------------
+
+def test_input_without_stdin_raises_stdin_not_implemented(kc: BlockingKernelClient) -> None:
+    result = run(kc, "input('name? ')", allow_stdin=False)
+    assert result.reply["content"]["ename"] == "StdinNotImplementedError"
+    assert not [m for m in result.messages if m["msg_type"] == "input_request"]
+    asked = run(kc, "print(input('name? '))", allow_stdin=True,
+                stdin_hook=lambda msg: kc.input("Ada"))
+    assert asked.text() == "Ada\n"
+
+
+# -- 5. payloads ----------------------------------------------------------------------------
+
+def test_help_goes_to_the_pager_not_to_stdout(kc: BlockingKernelClient) -> None:
+    for code in ("len?", "len??", "%pinfo len", "%pdoc len"):
+        result = run(kc, code)
+        assert result.text() == "", f"{code} printed to stdout"
+        [page] = result.reply["content"]["payload"]
+        assert page["source"] == "page" and "Return the number of items" in page["data"]["text/plain"]
+
+
+def test_load_and_recall_set_the_next_input(kc: BlockingKernelClient) -> None:
+    run(kc, "with open('snippet.py', 'w') as f:\n    f.write('print(\"loaded\")\\n')")
+    [load] = run(kc, "%load snippet.py").reply["content"]["payload"]
+    assert load == {"source": "set_next_input", "text": '# %load snippet.py\nprint("loaded")\n', "replace": True}
+    previous = run(kc, "recalled = 1")
+    count = previous.reply["content"]["execution_count"]
+    run(kc, "%sandbox status")  # numbered by the kernel, run on the host: the numbers stay aligned
+    [recall] = run(kc, f"%recall {count}").reply["content"]["payload"]
+    assert recall["source"] == "set_next_input" and recall["text"] == "recalled = 1"
+
+
+# -- 6. an asyncio event loop in and between cells ------------------------------------------
+
+def test_cells_run_on_an_event_loop(kc: BlockingKernelClient) -> None:
+    assert "running=True" in run(kc, "import asyncio\nasyncio.get_running_loop()") \
+        .of_type("execute_result")[0]["data"]["text/plain"]
+    awaited = run(kc, "await asyncio.sleep(0)\n'awaited'")
+    assert awaited.of_type("execute_result")[0]["data"]["text/plain"] == "'awaited'"
+    # A task started by a cell that never awaits runs once the cell has ended.
+    run(kc, "import threading\nran = threading.Event()\n"
+            "async def mark():\n    ran.set()\n"
+            "task = asyncio.get_running_loop().create_task(mark())")
+    assert run(kc, "ran.is_set(), task.done()").of_type("execute_result")[0]["data"]["text/plain"] == \
+        "(True, True)"
+
+
+def test_an_interrupt_cancels_an_awaiting_cell(kernel: tuple[KernelManager, BlockingKernelClient]) -> None:
+    km, kc = kernel
+
+    def interrupt_once_waiting(msg: dict[str, Any]) -> None:
+        if msg["msg_type"] == "stream" and "waiting" in msg["content"]["text"]:
+            km.interrupt_kernel()
+
+    messages: list[dict[str, Any]] = []
+    reply = kc.execute_interactive("print('waiting', flush=True)\nawait asyncio.sleep(600)",
+                                   output_hook=lambda m: (messages.append(m), interrupt_once_waiting(m)),
+                                   timeout=TIMEOUT)
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] in ("CancelledError", "KeyboardInterrupt")
+    assert run(kc, "'alive'").of_type("execute_result")[0]["data"]["text/plain"] == "'alive'"
+
+
+# -- 7. pdb -----------------------------------------------------------------------------------
+
+def test_pdb_reads_the_frontends_stdin_and_an_interrupt_ends_it(
+        kernel: tuple[KernelManager, BlockingKernelClient]) -> None:
+    km, kc = kernel
+    answers = iter(["p secret * 2", "c"])
+    debugged = run(kc, "import pdb\nsecret = 21\npdb.set_trace()\nprint('after')", allow_stdin=True,
+                   stdin_hook=lambda msg: kc.input(next(answers)))
+    assert "42" in debugged.text() and debugged.text().endswith("after\n")
+    # An interrupt at the prompt ends the debugger and the cell goes on, as under ipykernel
+    # (plain pdb would catch it and ask again: the cell would never end).
+    asked: list[dict[str, Any]] = []
+    interrupted = run(kc, "pdb.set_trace()\nprint('went on')", allow_stdin=True,
+                      stdin_hook=lambda msg: (asked.append(msg), km.interrupt_kernel()))
+    assert len(asked) == 1
+    assert "--KeyboardInterrupt--" in interrupted.text() and interrupted.text().endswith("went on\n")
+    # The question left unanswered does not hold up the next one.
+    again = run(kc, "print(input())", allow_stdin=True, stdin_hook=lambda msg: kc.input("next"))
+    assert again.text() == "next\n"
+
+
+# -- 8. output of subprocesses and forked children ------------------------------------------
+
+def test_output_of_subprocesses_and_multiprocessing_children(kc: BlockingKernelClient) -> None:
+    spawned = run(kc, "import subprocess, sys\n"
+                      "subprocess.run([sys.executable, '-c', 'import os; os.write(2, b\"to fd 2\\\\n\")']);")
+    assert spawned.text("stderr") == "to fd 2\n"
+    printed = run(kc, "import multiprocessing as mp\n"
+                      "p = mp.get_context('fork').Process(target=print, args=('from the child',))\n"
+                      "p.start(); p.join()")
+    assert printed.text() == "from the child\n"
+    failed = run(kc, "p = mp.get_context('fork').Process(target=int, args=('hi',))\np.start(); p.join()")
+    assert failed.reply["content"]["status"] == "ok" and failed.text() == ""
+    assert "ValueError: invalid literal for int()" in failed.text("stderr")
+    assert "Traceback" in plain_traceback([failed.text("stderr")])
+
+
+# -- 10. sys.path, matplotlib, display errors -------------------------------------------------
+
+def test_imports_look_in_the_working_directory_first(kc: BlockingKernelClient) -> None:
+    run(kc, "with open('local_module_here.py', 'w') as f:\n    f.write('VALUE = 7\\n')")
+    result = run(kc, "import sys, local_module_here\nsys.path[0], local_module_here.VALUE")
+    assert result.of_type("execute_result")[0]["data"]["text/plain"] == "('', 7)"
+
+
+def test_matplotlib_is_inline_on_import(kc: BlockingKernelClient) -> None:
+    result = run(kc, "import matplotlib, matplotlib.pyplot as plt\nbackend = matplotlib.get_backend()",
+                 user_expressions={"backend": "backend"})
+    assert "backend_inline" in result.reply["content"]["user_expressions"]["backend"]["data"]["text/plain"]
+
+
+def test_a_failing_repr_fails_the_cell_as_under_ipykernel(kc: BlockingKernelClient) -> None:
+    code = "class Bad:\n    def _repr_html_(self):\n        raise ValueError('bad html')\n"
+    result = run(kc, code + "Bad()")
+    reply = result.reply["content"]
+    assert (reply["status"], reply["ename"], reply["evalue"]) == ("error", "ValueError", "bad html")
+    # The plain-text repr is still shown, after the error.
+    assert [m["msg_type"] for m in result.outputs] == ["error", "execute_result"]
+    # display() of it shows the error and the text, and the cell succeeds (ipykernel does the same).
+    shown = run(kc, "display(Bad())")
+    assert shown.reply["content"]["status"] == "ok"
+    assert [m["msg_type"] for m in shown.outputs] == ["error", "display_data"]
+
+
+# -- 9. usage_request -------------------------------------------------------------------------
+
+def test_usage_reply_measures_the_sandbox(kc: BlockingKernelClient) -> None:
+    hostname = run(kc, "import os, socket\nprint(socket.gethostname())").text().strip()
+    control(kc, "usage_request", {})  # the first sample starts the CPU measurement
+    run(kc, "ballast = b'x' * (200 * 2**20)")
+    usage = control(kc, "usage_request", {})["content"]
+    assert usage["hostname"] == hostname  # the sandbox's, not this machine's
+    assert usage["pid"] == int(run(kc, "print(os.getpid())").text())
+    assert usage["kernel_memory"] >= 200 * 2**20
+    assert usage["kernel_cpu"] >= 0 and usage["cpu_count"] >= 1
+    memory = usage["host_virtual_memory"]
+    assert memory["total"] <= 1024 * 2**20, "the sandbox's memory (its shape's), not the host's"
+    assert memory["used"] >= 200 * 2**20 and memory["used"] + memory["available"] == memory["total"]
+    run(kc, "del ballast")
+
+
+# -- 12. shutdown -------------------------------------------------------------------------------
+
+def test_the_kernel_exits_by_itself_after_shutdown_reply(kernelspec: str) -> None:
+    """jupyter_client waits a few seconds (shutdown_wait_time) for the process, then kills
+    it: a kernel that lingers after its reply (a thread stuck on a zmq socket) is killed.
+    The race showed in about 1 run of 5, hence several runs, each after an interrupted input."""
+    for _ in range(5):
+        with running_kernel(kernelspec) as (km, kc):
+            interrupted = run(kc, "input()", allow_stdin=True, stdin_hook=lambda msg: km.interrupt_kernel())
+            assert interrupted.reply["content"]["ename"] == "KeyboardInterrupt"
+            process = km.provisioner.process
+        assert process.returncode == 0, "killed by jupyter_client: it lingered after shutdown_reply"
+
+
+# -- 11. comms --------------------------------------------------------------------------------
+
+def comm_messages(result: Execution) -> list[dict[str, Any]]:
+    return [m for m in result.messages if m["msg_type"].startswith("comm_")]
+
+
+def test_a_comm_opened_in_the_sandbox_reaches_the_frontend(kc: BlockingKernelClient) -> None:
+    opened = run(kc, "import comm\n"
+                     "c = comm.create_comm(target_name='sandbox-test', data={'hello': 1}, buffers=[b'\\x00\\x01bin'])\n"
+                     "c.send({'n': 2}, buffers=[b'\\xff' * 3])")
+    comm_open, comm_msg = comm_messages(opened)
+    for msg in (comm_open, comm_msg):
+        validate(msg)
+        assert msg["parent_header"]["msg_id"] == opened.reply["parent_header"]["msg_id"]
+    assert comm_open["msg_type"] == "comm_open" and comm_open["content"]["target_name"] == "sandbox-test"
+    assert comm_open["content"]["data"] == {"hello": 1} and comm_open["buffers"] == [b"\x00\x01bin"]
+    assert comm_msg["content"] == {"comm_id": comm_open["content"]["comm_id"], "data": {"n": 2}}
+    assert comm_msg["buffers"] == [b"\xff\xff\xff"]
+    info = kc.comm_info("sandbox-test", reply=True, timeout=TIMEOUT)["content"]
+    assert info == {"status": "ok", "comms": {comm_open["content"]["comm_id"]: {"target_name": "sandbox-test"}}}
+
+
+def test_the_frontends_comm_messages_reach_the_sandbox(kc: BlockingKernelClient) -> None:
+    run(kc, "import comm\nreceived = []\n"
+            "def on_open(c, msg):\n"
+            "    received.append(('open', msg['content']['data'], [bytes(b) for b in msg['buffers']]))\n"
+            "    def on_msg(m):\n"
+            "        received.append(('msg', m['content']['data'], [bytes(b) for b in m['buffers']]))\n"
+            "        c.send({'echo': m['content']['data']}, buffers=m['buffers'])\n"
+            "    c.on_msg(on_msg)\n"
+            "comm.get_comm_manager().register_target('echo', on_open)")
+    socket = kc.shell_channel.socket
+    kc.session.send(socket, "comm_open", {"comm_id": "c-1", "target_name": "echo", "data": {"a": 1}},
+                    buffers=[b"\x01\x02"])
+    sent = kc.session.send(socket, "comm_msg", {"comm_id": "c-1", "data": {"b": 2}}, buffers=[b"\x00" * 5])
+    echo = None
+    while echo is None:
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        if msg["msg_type"] == "comm_msg" and msg["parent_header"].get("msg_id") == sent["header"]["msg_id"]:
+            echo = msg
+    validate(echo)
+    assert echo["content"] == {"comm_id": "c-1", "data": {"echo": {"b": 2}}} and echo["buffers"] == [b"\x00" * 5]
+    assert run(kc, "print(received)").text() == \
+        "[('open', {'a': 1}, [b'\\x01\\x02']), ('msg', {'b': 2}, [b'\\x00\\x00\\x00\\x00\\x00'])]\n"
+    kc.session.send(socket, "comm_close", {"comm_id": "c-1", "data": {}})
+    assert "c-1" not in kc.comm_info(reply=True, timeout=TIMEOUT)["content"]["comms"]
+
+
+def test_a_slider_moved_in_the_frontend_reaches_its_observer(kc: BlockingKernelClient) -> None:
+    shown = run(kc, "import ipywidgets\nslider = ipywidgets.IntSlider(value=1)\n"
+                    "slider.observe(lambda change: print('now', change['new']), names='value')\nslider")
+    [view] = shown.of_type("execute_result")
+    model_id = view["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+    opened = [m["content"] for m in comm_messages(shown) if m["msg_type"] == "comm_open"]
+    assert model_id in [content["comm_id"] for content in opened]
+    # What JupyterLab sends when the user drags the slider to 7.
+    sent = kc.session.send(kc.shell_channel.socket, "comm_msg", {"comm_id": model_id, "data": {
+        "method": "update", "state": {"value": 7}, "buffer_paths": []}})
+    printed = ""
+    while printed != "now 7\n":
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        if msg["msg_type"] == "stream" and msg["parent_header"].get("msg_id") == sent["header"]["msg_id"]:
+            validate(msg)
+            printed += msg["content"]["text"]
+    assert run(kc, "slider.value").of_type("execute_result")[0]["data"]["text/plain"] == "7"
+
+
+def test_usage_reply_takes_only_sane_numbers_from_the_sandbox() -> None:
+    from sandbox_kernel.usage import usage_reply
+
+    sample = {"hostname": "sb", "pid": 7, "kernel_cpu": float("nan"), "kernel_memory": "lots", "cpu_count": True,
+              "meminfo": {"total": 8 * 2**30, "available": 6 * 2**30}, "sandbox_processes_memory": 2**29}
+    assert usage_reply(sample, 2**30) == {"hostname": "sb", "pid": 7, "host_virtual_memory": {
+        "total": 2**30, "available": 2**29, "used": 2**29, "free": 2**29, "percent": 50.0}}
+    # A sandbox that is the whole machine (a micro-VM): its own meminfo.
+    assert usage_reply(sample, 16 * 2**30)["host_virtual_memory"]["used"] == 2 * 2**30
