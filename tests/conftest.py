@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 from createos import APIError, Client, CreateSandboxRequest, SandboxInstance
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.manager import KernelManager
 
 from engine_helpers import running_engine
-from kernel_helpers import VIA_CREATEOS
+from kernel_helpers import VIA_CREATEOS, running_kernel
 from sandbox_kernel.api import SandboxClient
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -64,6 +66,18 @@ async def client(engine: EngineEndpoint) -> AsyncIterator[SandboxClient]:
     """An API client of the engine (a module may override `engine`, or `client` itself)."""
     async with SandboxClient(engine.url, engine.token) as api:
         yield api
+
+
+@pytest.fixture(scope="module")
+def kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    """One kernel for a test module (a module may override it with arguments of its own)."""
+    with running_kernel(kernelspec) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def kc(kernel: tuple[KernelManager, BlockingKernelClient]) -> BlockingKernelClient:
+    return kernel[1]
 
 
 @pytest.fixture(scope="session")

@@ -64,11 +64,6 @@ def kernel(kernelspec: str, servers: tuple[int, int]) -> Iterator[tuple[KernelMa
         yield pair
 
 
-@pytest.fixture
-def kc(kernel: tuple[KernelManager, BlockingKernelClient]) -> BlockingKernelClient:
-    return kernel[1]
-
-
 FETCH = """
 import urllib.request, urllib.error
 def fetch(port):

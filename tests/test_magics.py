@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
 from datetime import datetime, timezone
 
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
-from jupyter_client.manager import KernelManager
 
 from engine_helpers import sandbox_status
 from kernel_helpers import VIA_CREATEOS, execute, is_status_line, running_kernel
@@ -74,17 +72,6 @@ def create_and_destroy(engine: EngineEndpoint) -> str:
             return created.id
 
     return asyncio.run(make())
-
-
-@pytest.fixture(scope="module")
-def kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
-    with running_kernel(kernelspec) as pair:
-        yield pair
-
-
-@pytest.fixture(scope="module")
-def kc(kernel: tuple[KernelManager, BlockingKernelClient]) -> BlockingKernelClient:
-    return kernel[1]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ usage_request. Every message received is checked against the messaging spec (mes
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -39,17 +38,6 @@ def control(kc: BlockingKernelClient, msg_type: str, content: dict[str, Any]) ->
         if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
             validate(reply)
             return reply
-
-
-@pytest.fixture(scope="module")
-def kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
-    with running_kernel(kernelspec) as pair:
-        yield pair
-
-
-@pytest.fixture
-def kc(kernel: tuple[KernelManager, BlockingKernelClient]) -> BlockingKernelClient:
-    return kernel[1]
 
 
 # -- 1. no output the user did not ask for ------------------------------------------------
