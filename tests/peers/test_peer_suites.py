@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from engine_helpers import running_engine
 from peer_runs import HERE, Comparison, PeerSuite, install_kernelspec, known_failures, run_suite
 from sandbox_kernel.local.service import EngineEndpoint
 from sources import sdist_tree
@@ -43,7 +45,21 @@ SUITES = {suite.name: suite for suite in (
 
 
 @pytest.fixture(scope="module")
-def kernelspecs(engine: EngineEndpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def peer_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineEndpoint]:
+    """The peer suites' own engine and state dir. Their tests kill kernels outright (a
+    `shutdown_kernel(now=True)`, a cell that kills its process), which leaves sandboxes
+    for gc; those must not land among the records the rest of our suite's gc tests read.
+    The engine destroys whatever is left when the module ends."""
+    state = tmp_path_factory.mktemp("peer-state")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SANDBOX_KERNEL_STATE_DIR", str(state))  # the suites' kernels inherit it
+        patch.delenv("CREATEOS_SANDBOX_API_KEY", raising=False)
+        with running_engine(state) as endpoint:
+            yield endpoint
+
+
+@pytest.fixture(scope="module")
+def kernelspecs(peer_engine: EngineEndpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """JUPYTER_PATH folders whose `python3` is plain ipykernel, or the sandbox kernel."""
     root = tmp_path_factory.mktemp("peer-kernelspecs")
     return {"ipykernel": install_kernelspec("ipykernel", root / "ipykernel"),
