@@ -267,7 +267,7 @@ class SandboxKernel(Kernel):
                 continue
             watch = PIP_COMMAND.search(segment.text) is not None
             refused_before = await self._best_effort(magics.refusals_so_far()) if watch else None
-            fields: dict[str, Any] = {"allow_stdin": allow_stdin}
+            fields: dict[str, Any] = {"allow_stdin": allow_stdin, "parent_msg_id": self._parent_msg_id()}
             if index == last_code and user_expressions:
                 fields["user_expressions"] = user_expressions
             reply = await self._run_code(session, segment.text, silent or not segment.text,
@@ -465,11 +465,16 @@ class SandboxKernel(Kernel):
         try:
             async with self.comm_order:
                 await self.sandbox.run_cell(cell_id, "", translate.handle, silent=True, store_history=False,
-                                            fields={"comm": message})
+                                            fields={"comm": message, "parent_msg_id": self._parent_msg_id()})
         except Exception as exc:  # no reply to send: the frontend learns nothing, the log does
             log.warning("%s not delivered: %s", message["msg_type"], exc)
         finally:
             translate.flush_input_tasks()
+
+    def _parent_msg_id(self) -> str:
+        """The id of the shell request being handled: its output in the sandbox goes out with
+        this parent, and ipywidgets' Output widget there captures output by it."""
+        return str(self.get_parent("shell").get("header", {}).get("msg_id", ""))
 
     async def comm_info_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
         target_name = parent["content"].get("target_name")
@@ -677,8 +682,10 @@ class _EventTranslator:
             log.warning("dropped a comm message with malformed buffers")
             return
         metadata = event.get("metadata") if isinstance(event.get("metadata"), dict) else {}
+        # On its cell's parent, like the cell's other output (this runs in the channel's reader
+        # task, whose context holds no parent): the frontend's Output widgets capture by it.
         self.kernel.session.send(self.kernel.iopub_socket, event["msg_type"], content, self.parent,
-                                 metadata=metadata, buffers=raw)
+                                 buffers=raw, metadata=metadata)
 
     async def _ask(self, prompt: str, password: bool) -> None:
         await self.session.send_input(self.cell_id, await self.kernel.ask_frontend(prompt, password))

@@ -25,6 +25,8 @@ Besides the code, a ``run`` request carries what the execute_request asked:
 also carries the cell's ``payload``: pager, next input, edit). A run with a ``comm``
 field delivers a frontend's comm message to the comm manager instead of running code;
 ``comm`` events are the messages comms in the sandbox send (buffers in base64).
+``parent_msg_id`` is the id of the frontend's request the run answers (its events go
+out with that parent): ipywidgets' Output widget captures the output of that id.
 One-shot ops ``usage`` and ``comm_info`` answer usage_request and comm_info_request.
 
 Forking: the one-shot op ``{"op": "fork", "join_pid": N | null, "dir": str | null}``
@@ -166,6 +168,7 @@ class Cell:
         self.allow_stdin = True
         self.user_expressions: dict = {}
         self.comm: dict | None = None  # a frontend's comm message to deliver instead of running code
+        self.parent_msg_id: str | None = None  # the frontend request whose output this is
         self.started_count: int | None = None  # the count of its started event, once it runs
         self.stored = False  # whether it takes an execution count (known once it runs)
         self.finished = False
@@ -607,6 +610,29 @@ def _make_cell_stream(router: OutputRouter, name: str, fd: int) -> io.TextIOBase
     return CellStream()
 
 
+class ParentRequests:
+    """Which frontend request the output now answers, as ipykernel's ``kernel.get_parent()``
+    tells it: the running cell's (or delivered comm message's), and between cells the last
+    cell's, which is where the kernel shows a background thread's output. ipywidgets'
+    Output widget asks its comm's ``kernel`` for it and captures the output of that id."""
+
+    def __init__(self) -> None:
+        self._running: str | None = None
+        self._between_cells: str | None = None
+
+    def enter(self, msg_id: str | None, between_cells: bool) -> None:
+        self._running = msg_id
+        if between_cells:
+            self._between_cells = msg_id
+
+    def leave(self) -> None:
+        self._running = None
+
+    def get_parent(self) -> dict:
+        msg_id = self._running or self._between_cells
+        return {"header": {"msg_id": msg_id}} if msg_id else {}
+
+
 class CommBridge:
     """Jupyter comms in the sandbox (ipywidgets and the like), through the `comm` package
     when it is installed: its create_comm and get_comm_manager are pointed here. What a
@@ -616,6 +642,7 @@ class CommBridge:
 
     def __init__(self, router: OutputRouter):
         self.manager = None
+        self.parents = ParentRequests()
         try:
             import comm
             from comm.base_comm import BaseComm, CommManager
@@ -623,11 +650,20 @@ class CommBridge:
             return
 
         class EventComm(BaseComm):
+            kernel = self.parents  # all of ipykernel's kernel that comm users ask for
+
             def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
                 content = dict(keys, data=data if data is not None else {}, comm_id=self.comm_id)
                 router.emit(protocol.COMM, msg_type=msg_type, content=content, metadata=metadata or {},
                             buffers=[base64.b64encode(bytes(buffer)).decode("ascii") for buffer in buffers or []])
 
+        # Libraries pick widgets over text by whether ipykernel's shell module is loaded
+        # (tqdm.auto does): here comms reach the frontend, so widgets are the right pick.
+        # (It loads no ipykernel module that points `comm` at its own manager.)
+        try:
+            importlib.import_module("ipykernel.zmqshell")
+        except ImportError:
+            pass
         self.manager = CommManager()
         comm.create_comm = EventComm
         comm.get_comm_manager = lambda: self.manager
@@ -1598,6 +1634,7 @@ class Daemon:
         with self._lock:
             self._running = cell
         signal.signal(signal.SIGINT, self._on_interrupt)
+        self.comms.parents.enter(cell.parent_msg_id, between_cells=cell.comm is None)
         try:
             if cell.comm is not None:
                 self.comms.deliver(cell.comm)  # its handlers log their own errors
@@ -1607,6 +1644,7 @@ class Daemon:
             self.router.emit("error", ename="KeyboardInterrupt", evalue="", traceback=[])
             return False
         finally:
+            self.comms.parents.leave()
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             with self._lock:
                 self._running = None
@@ -1697,6 +1735,8 @@ class Daemon:
                             count if isinstance(count, int) else None, OutputBudget.from_request(request))
                 cell.allow_stdin = bool(request.get("allow_stdin", True))
                 cell.comm = comm_message
+                parent_msg_id = request.get("parent_msg_id")
+                cell.parent_msg_id = parent_msg_id if isinstance(parent_msg_id, str) else None
                 expressions = request.get("user_expressions")
                 if isinstance(expressions, dict):
                     cell.user_expressions = {str(k): str(v) for k, v in expressions.items()}

@@ -15,7 +15,8 @@ the runner refuses is answered by ``{"error": ...}`` with its ``ID`` or ``CELL_I
 
 # Request ops
 RUN = "run"  # a cell: code (or code_file), cell_id, silent, store_history, execution_count, output
-# limits, allow_stdin, user_expressions, or comm (a frontend's comm message to deliver instead of code)
+# limits, allow_stdin, user_expressions, or comm (a frontend's comm message to deliver instead of code),
+# parent_msg_id (the frontend request it answers: ipywidgets' Output widget captures by it)
 ATTACH = "attach"  # follow a cell already submitted (exec-per-cell clients)
 INTERRUPT = "interrupt"
 INPUT = "input"  # the answer to an input_request: cell_id, value, eof
