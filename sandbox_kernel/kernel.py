@@ -472,9 +472,9 @@ class SandboxKernel(Kernel):
             translate.flush_input_tasks()
 
     def _parent_msg_id(self) -> str:
-        """The id of the shell request being handled: its output in the sandbox goes out with
-        this parent, and ipywidgets' Output widget there captures output by it."""
-        return str(self.get_parent("shell").get("header", {}).get("msg_id", ""))
+        """The id of the request being handled: its output in the sandbox goes out with this
+        parent, and ipywidgets' Output widget there captures output by it."""
+        return str(self.request_parent().get("header", {}).get("msg_id", ""))
 
     async def comm_info_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
         target_name = parent["content"].get("target_name")
