@@ -147,6 +147,9 @@ class SandboxSession:
         # The channel to the runner (channel.py), or None: one exec per request instead.
         # Whether the provider has managed processes is learnt once, at the first start.
         self.channel: RunnerChannel | None = None
+        # Set once shutdown or a restart hand-off begins: a cell still running then must not
+        # open a channel the closing session would leave reading on a closed client.
+        self.closing = False
         self.use_channel: bool | None = None
         self.open_channels = True  # False for a warm pool member: its kernel opens one later
         # Output the runner sends between cells (a background thread's print): the kernel
@@ -329,6 +332,9 @@ class SandboxSession:
             self.settings.output_limit + EVENT_LINE_SLACK, self._background_event, background_seq=background_seq)
         try:
             await channel.open()
+            if self.closing:
+                await channel.close()
+                raise SessionError("the kernel is shutting down")
         except ChannelUnavailable as exc:
             if self.use_channel:
                 raise RuntimeError(f"the runner's channel could not start: {exc}") from None
@@ -578,7 +584,7 @@ class SandboxSession:
     async def _channel_up(self) -> None:
         """Before a request: a channel that ended is opened again (its runner died: a new one)."""
         channel = self.channel
-        if channel is None or channel.alive:
+        if channel is None or channel.alive or self.closing:
             return
         if channel.failure is not None and channel.failure.runner_gone:
             raise await self._runner_died(RunnerGone(str(channel.failure)))
@@ -637,6 +643,7 @@ class SandboxSession:
         kernel owns; return those kept (shutdown_policy.py)."""
         if self.client is None:
             return []
+        self.closing = True
         await self._stop_refill()
         policy = policy or self.on_shutdown
         # A sandbox that outlives the kernel keeps no relay of ours (the next kernel starts its own).
@@ -655,6 +662,7 @@ class SandboxSession:
         takes them over from the restart hand-off file); return those ids."""
         owned = ownership.owned_here()
         ownership.await_successor(owned, RESTART_HANDOFF_WAIT)
+        self.closing = True
         await self._stop_refill()
         await self._stop_channel(kill=False)  # the successor's new runner ends it
         if self.client is not None:
