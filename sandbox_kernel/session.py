@@ -349,6 +349,7 @@ class SandboxSession:
     async def _background_event(self, event: dict[str, Any]) -> None:
         if self.on_background is not None:
             await self.on_background(event)
+
     @staticmethod
     def _check(response: ExecResponse, what: str = "sandbox command failed") -> ExecResult:
         result = response.result
@@ -669,7 +670,6 @@ class SandboxSession:
             await self.client.aclose()
             self.client = None
         return owned
-
 
     async def _stop_channel(self, kill: bool) -> None:
         """Stop following the runner, and end its relay if `kill` (else it ends with the
