@@ -46,6 +46,7 @@ from .api import (
     ProtocolError,
     SandboxAPIError,
     SandboxClient,
+    SandboxStatus,
     ServerError,
 )
 
@@ -85,6 +86,8 @@ class ProcessTransport(Protocol):
 
     async def kill(self, process_id: str) -> None: ...
 
+    async def sandbox_paused(self) -> bool: ...
+
 
 class SandboxProcesses:
     """ProcessTransport over the CreateOS API (or the local engine, which speaks it)."""
@@ -114,6 +117,13 @@ class SandboxProcesses:
 
     async def kill(self, process_id: str) -> None:
         await self.client.kill_process(self.sandbox_id, process_id)
+
+    async def sandbox_paused(self) -> bool:
+        """True while the sandbox is paused or on its way there or back (its next cell resumes
+        it); raises NotFoundError once the sandbox is gone."""
+        sandbox = await self.client.get_sandbox(self.sandbox_id)
+        return sandbox.status in (SandboxStatus.PAUSING, SandboxStatus.PAUSED, SandboxStatus.RESUMING,
+                                  SandboxStatus.FORKING)
 
 
 @dataclass
@@ -222,7 +232,11 @@ class RunnerChannel:
                                 return
                 except RECOVERABLE as exc:
                     log.warning("channel stream dropped after seq %d: %s", self._reading.seq, exc)
-                except ConflictError:  # the sandbox is paused: its next cell resumes it
+                except ConflictError:
+                    # Not running: paused (its next cell resumes it, the stream then goes on),
+                    # or destroyed or failed, which ends the runner (the outer handler).
+                    if not await self.transport.sandbox_paused():
+                        raise
                     await asyncio.sleep(RECONNECT_DELAYS[-1])
                     continue
                 if self._reading.seq > progress:

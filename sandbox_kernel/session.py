@@ -92,6 +92,8 @@ EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
 Progress = Callable[[str], None]
 # Failures of a single exec connection that a reconnect can repair.
 RECOVERABLE = (APITransportError, ProtocolError, ServerError)
+# A sandbox in one of these states has no runner and never will again.
+SANDBOX_GONE = (SandboxStatus.DESTROYING, SandboxStatus.DESTROYED, SandboxStatus.ERROR, SandboxStatus.FAILED)
 
 
 class SessionError(Exception):
@@ -572,6 +574,9 @@ class SandboxSession:
         log.warning("the runner died: %s", exc)
         seen = self.oom_kills.get(self.sandbox_id or "", 0)
         view = await self.view()
+        if view.status in SANDBOX_GONE:  # no runner can start there: say so, every cell
+            return SessionError(f"the sandbox {view.id} is {view.status}: its Python and its files are gone; "
+                                "start a new kernel for a new sandbox, or `%sandbox attach ID|NAME` another")
         try:
             await self.start_runner()
         except (RuntimeError, SandboxAPIError) as error:  # e.g. no process can start there now

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from sandbox_kernel import channel as channel_module
-from sandbox_kernel.api import APITransportError, ProcessFrame
+from sandbox_kernel.api import APITransportError, ConflictError, ProcessFrame
 from sandbox_kernel.channel import ACK_EVERY, ChannelError, RunnerChannel
 
 LINE_LIMIT = 1 << 20
@@ -37,6 +37,7 @@ class ScriptedProcess:
         self.sent: list[bytes] = []
         self.exit_frame: dict[str, Any] | None = None
         self.connect_fails = 0  # the next this many connects fail at once
+        self.sandbox_status = "running"  # another status: connects are refused (409)
         self._changed = asyncio.Condition()
 
     async def write(self, data: bytes) -> None:
@@ -50,6 +51,12 @@ class ScriptedProcess:
             self.exit_frame = {"type": "exit", "seq": len(self.output), **frame}
             self._changed.notify_all()
 
+    async def destroy_sandbox(self) -> None:
+        """The sandbox ends under the process: the open stream ends in an error frame."""
+        async with self._changed:
+            self.sandbox_status = "destroyed"
+            self._changed.notify_all()
+
     # -- ProcessTransport
 
     async def create(self, args: list[str]) -> str:
@@ -61,6 +68,8 @@ class ScriptedProcess:
         if self.connect_fails:
             self.connect_fails -= 1
             raise APITransportError("connection refused")
+        if self.sandbox_status != "running":
+            raise ConflictError(f"sandbox is {self.sandbox_status}, not running", status_code=409)
         cut = self.cuts[len(self.connects) - 1] if len(self.connects) <= len(self.cuts) else None
         yield self._frames(max(0, after - self.rewind), cut)
 
@@ -73,7 +82,11 @@ class ScriptedProcess:
             seq, sent = seq + 1, 1
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda: len(self.output) > seq or self.exit_frame is not None)
+                await self._changed.wait_for(lambda: len(self.output) > seq or self.exit_frame is not None
+                                             or self.sandbox_status == "destroyed")
+            if self.sandbox_status == "destroyed":
+                yield ProcessFrame.model_validate({"type": "error", "error": "the sandbox ended"})
+                return
             if len(self.output) > seq:
                 if cut is not None and sent >= cut:
                     raise APITransportError("cut by the test")
@@ -98,6 +111,9 @@ class ScriptedProcess:
 
     async def kill(self, process_id: str) -> None:
         pass
+
+    async def sandbox_paused(self) -> bool:
+        return self.sandbox_status == "paused"
 
 
 def printing_cell(lines: int) -> Events:
@@ -264,6 +280,29 @@ async def test_a_stream_that_never_comes_back_ends_the_cell_with_one_error() -> 
     with pytest.raises(ChannelError) as failure:
         await run(channel, recorder)
     assert "lost the connection to the sandbox" in str(failure.value) and not failure.value.runner_gone
+
+
+async def test_a_destroyed_sandbox_ends_the_cell_as_a_runner_death() -> None:
+    """A destroyed sandbox refuses connects with 409 (as a paused one does): the cell ends
+    at once with the runner gone, instead of waiting for a resume that never comes."""
+    process, recorder = ScriptedProcess(lambda request: []), Recorder()
+    channel = await open_channel(process, recorder)
+    cell = asyncio.ensure_future(run(channel, recorder))
+    await _until(lambda: bool(process.sent))
+    await process.destroy_sandbox()
+    with pytest.raises(ChannelError) as failure:
+        await asyncio.wait_for(cell, 10)
+    assert failure.value.runner_gone and "destroyed" in str(failure.value)
+
+
+async def test_a_paused_sandbox_keeps_the_cell_waiting_until_it_resumes() -> None:
+    process, recorder = ScriptedProcess(printing_cell(0)), Recorder()
+    process.sandbox_status = "paused"
+    channel = await open_channel(process, recorder)
+    await _until(lambda: len(process.connects) >= 3)  # refused, and tried again
+    process.sandbox_status = "running"
+    await asyncio.wait_for(run(channel, recorder), 10)
+    await channel.close()
 
 
 async def _until(condition: Callable[[], bool]) -> None:

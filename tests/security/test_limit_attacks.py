@@ -159,6 +159,7 @@ subprocess.run([sys.executable, '-c', bomb], timeout=600)
     while reply["parent_header"].get("msg_id") != msg_id:
         reply = kc.get_shell_msg(timeout=120)
     assert reply["content"]["status"] == "error"
+    assert f"the sandbox {small_sandbox} is destroy" in reply["content"]["evalue"]  # …ing or …ed
     assert kc.kernel_info(reply=True, timeout=60)["content"]["status"] == "ok"
 
 
