@@ -235,7 +235,7 @@ class RunnerChannel:
                 except ConflictError:
                     # Not running: paused (its next cell resumes it, the stream then goes on),
                     # or destroyed or failed, which ends the runner (the outer handler).
-                    if not await self.transport.sandbox_paused():
+                    if not await self._sandbox_paused():
                         raise
                     await asyncio.sleep(RECONNECT_DELAYS[-1])
                     continue
@@ -252,6 +252,13 @@ class RunnerChannel:
         except Exception as exc:  # a bug of ours: end the cell with it rather than hang
             log.exception("the channel reader failed")
             self._end(ChannelError(f"internal error in the channel ({type(exc).__name__}: {exc})"))
+
+    async def _sandbox_paused(self) -> bool:
+        try:
+            return await self.transport.sandbox_paused()
+        except RECOVERABLE as exc:  # not known now: wait and ask again, as for a paused sandbox
+            log.warning("could not read the sandbox's state: %s", exc)
+            return True
 
     async def _take(self, frame: ProcessFrame) -> bool:
         """Handle one frame; True once the relay has exited."""

@@ -38,6 +38,7 @@ class ScriptedProcess:
         self.exit_frame: dict[str, Any] | None = None
         self.connect_fails = 0  # the next this many connects fail at once
         self.sandbox_status = "running"  # another status: connects are refused (409)
+        self.status_fails = 0  # the next this many reads of the sandbox's status fail at once
         self._changed = asyncio.Condition()
 
     async def write(self, data: bytes) -> None:
@@ -113,6 +114,9 @@ class ScriptedProcess:
         pass
 
     async def sandbox_paused(self) -> bool:
+        if self.status_fails:
+            self.status_fails -= 1
+            raise APITransportError("connection refused")
         return self.sandbox_status == "paused"
 
 
@@ -297,7 +301,7 @@ async def test_a_destroyed_sandbox_ends_the_cell_as_a_runner_death() -> None:
 
 async def test_a_paused_sandbox_keeps_the_cell_waiting_until_it_resumes() -> None:
     process, recorder = ScriptedProcess(printing_cell(0)), Recorder()
-    process.sandbox_status = "paused"
+    process.sandbox_status, process.status_fails = "paused", 2  # a failed status read is no verdict
     channel = await open_channel(process, recorder)
     await _until(lambda: len(process.connects) >= 3)  # refused, and tried again
     process.sandbox_status = "running"
