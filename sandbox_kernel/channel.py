@@ -19,7 +19,10 @@ Interrupts are input lines too: they need no stream.
 Bounds: the relay's stdout is sandbox-controlled (code in the sandbox can replace the
 relay file). Lines are cut with BoundedLines (an unterminated line is counted, never
 held), nothing is stored per event, and events are checked before use: a line that is
-not an event of the cell in flight, the background, or a pending reply is ignored.
+not an event of a cell in flight, the background, or a pending reply is ignored.
+
+More than one cell may be in flight: a frontend's comm message is delivered while a cell
+runs (it may be what the cell awaits), each followed to its own `done`.
 """
 
 from __future__ import annotations
@@ -159,7 +162,7 @@ class RunnerChannel:
         self.failure: ChannelError | None = None  # why the channel ended, once it has
         self._reading = _Reading()
         self._lines = BoundedLines(line_limit)
-        self._cell: _CellFollow | None = None
+        self._cells: dict[str, _CellFollow] = {}  # in flight, in the order they were sent
         self._replies: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
         self._last_words = ""  # the relay's {"error": ...} line, before it exits
@@ -192,12 +195,12 @@ class RunnerChannel:
         """Send a run request and deliver the cell's events in order; return its done event."""
         self._check()
         follow = _CellFollow(cell_id, on_event, asyncio.get_running_loop().create_future())
-        self._cell = follow
+        self._cells[cell_id] = follow
         try:
             await self.send({**request, protocol.OP: protocol.RUN, protocol.CELL_ID: cell_id})
             return await follow.done
         finally:
-            self._cell = None
+            self._cells.pop(cell_id, None)
 
     async def request(self, message: dict[str, Any], timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
         """A one-shot request with a reply (complete, inspect, info)."""
@@ -325,8 +328,8 @@ class RunnerChannel:
             if seq > self.background_seq:
                 self.background_seq = seq
                 await self.on_background(event)
-        elif self._cell is not None and cell_id == self._cell.cell_id and seq > self._cell.last_seq:
-            follow = self._cell
+        elif isinstance(cell_id, str) and cell_id in self._cells and seq > self._cells[cell_id].last_seq:
+            follow = self._cells[cell_id]
             follow.last_seq = seq
             if event[protocol.TYPE] == protocol.DONE:
                 if not follow.done.done():
@@ -336,22 +339,25 @@ class RunnerChannel:
 
     def _answer(self, event: dict[str, Any]) -> None:
         """A reply, or an error about a request (with its id or cell), or the relay's last words."""
-        reply = self._replies.get(event.get(protocol.REPLY) or event.get(protocol.ID))  # type: ignore[arg-type]
+        request_id = event.get(protocol.REPLY) or event.get(protocol.ID)
+        reply = self._replies.get(request_id) if isinstance(request_id, str) else None  # the sandbox's word
         if reply is not None and not reply.done():
             reply.set_result(event)
             return
         message = str(event.get(protocol.ERROR))[:500]
-        if self._cell is not None and event.get(protocol.CELL_ID) == self._cell.cell_id:
-            if not self._cell.done.done():
-                self._cell.done.set_exception(ChannelError(f"the runner refused the cell: {message}"))
+        cell_id = event.get(protocol.CELL_ID)
+        refused = self._cells.get(cell_id) if isinstance(cell_id, str) else None
+        if refused is not None:
+            if not refused.done.done():
+                refused.done.set_exception(ChannelError(f"the runner refused the cell: {message}"))
         elif protocol.REPLY not in event and protocol.ERROR in event:
             self._last_words = message
 
     async def _notice(self, text: str) -> None:
-        """One line from the kernel, in the cell in flight (else on the last cell's parent)."""
+        """One line from the kernel, in the first cell in flight (else on the last cell's parent)."""
         event = {protocol.TYPE: protocol.STREAM, "name": "stderr", "text": text}
-        if self._cell is not None:
-            await self._cell.on_event(event)
+        if self._cells:
+            await next(iter(self._cells.values())).on_event(event)
         else:
             await self.on_background(event)
 
@@ -359,8 +365,9 @@ class RunnerChannel:
         """The channel is over: everything waiting on it hears why."""
         if self.failure is None:
             self.failure = failure
-        if self._cell is not None and not self._cell.done.done():
-            self._cell.done.set_exception(self.failure)
+        for follow in self._cells.values():
+            if not follow.done.done():
+                follow.done.set_exception(self.failure)
         for reply in self._replies.values():
             if not reply.done():
                 reply.set_exception(self.failure)

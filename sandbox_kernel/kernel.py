@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextvars
 import hashlib
 import json
@@ -55,6 +56,12 @@ USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
 REQUEST_PARENT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("request_parent")
 COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
 STDIN_POLL = 0.01  # seconds between looks for the frontend's input_reply
+# Requests whose output the sandbox can still name (an event's PARENT: a thread or task of
+# an earlier cell); older ones are forgotten, and their output is shown as if unnamed.
+RECENT_REQUESTS = 256
+# Runner events that may answer another request than their cell's (see _EventTranslator.handle).
+OUTPUT_EVENTS = ("stream", "display_data", "update_display_data", "clear_output", "execute_result", "error",
+                 protocol.COMM)
 # A cell that waits longer than this for the sandbox to start shows a progress line.
 SLOW_START = 2.0
 # Options a kernel argument can set (--SandboxKernel.<name>=...); they win over the
@@ -122,6 +129,9 @@ class SandboxKernel(Kernel):
         # The last cell's translator: output the runner sends between cells (a background
         # thread's print) is shown on that cell's parent, as ipykernel does.
         self.last_cell: _EventTranslator | None = None
+        # The translators of recent requests, by msg_id: an event the sandbox tags with an
+        # earlier request's id (a thread that chose its cell) is shown on that request.
+        self.recent_requests: collections.OrderedDict[str, _EventTranslator] = collections.OrderedDict()
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -636,12 +646,24 @@ class _EventTranslator:
         # keeps the parent and its ident in context variables).
         self.parent = kernel.request_parent()
         self.context = contextvars.copy_context()
+        msg_id = self.parent.get("header", {}).get("msg_id")
+        if msg_id:
+            kernel.recent_requests[msg_id] = self
+            kernel.recent_requests.move_to_end(msg_id)
+            while len(kernel.recent_requests) > RECENT_REQUESTS:
+                kernel.recent_requests.popitem(last=False)
 
     def _send(self, _: Any, msg_type: str, content: dict[str, Any]) -> None:
         self.kernel.session.send(self.kernel.iopub_socket, msg_type, content, self.parent)
 
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event["type"]
+        named = event.get(protocol.PARENT)
+        if kind in OUTPUT_EVENTS and isinstance(named, str):
+            owner = self.kernel.recent_requests.get(named)  # the sandbox's word: only ids we sent count
+            if owner is not None and owner is not self:
+                await owner.handle(event)
+                return
         send = self._send
         iopub = self.kernel.iopub_socket
         if not self.guard.admit(event):

@@ -105,7 +105,7 @@ def serve(state_dir: str) -> int:
 def _import_daemon_modules() -> None:
     """Import the modules the daemon needs (kept out of the module level since clients
     once ran this file too; runner_client.py is the client now)."""
-    global ast, asyncio, builtins, codecs, collections, getpass, importlib, inspect, io, linecache
+    global ast, asyncio, builtins, codecs, collections, contextvars, getpass, importlib, inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
     global tokenize, traceback, types, warnings
     import ast
@@ -113,6 +113,7 @@ def _import_daemon_modules() -> None:
     import builtins
     import codecs
     import collections
+    import contextvars
     import getpass
     import importlib.machinery
     import importlib.util
@@ -392,7 +393,8 @@ class OutputRouter:
     user's code produced is preserved. Longer writes are cut into events of at
     most MAX_PENDING characters, so no NDJSON line grows without bound. Each
     cell's OutputBudget caps and paces its output, event by event. Output while
-    no cell runs goes to the daemon's log.
+    no cell runs goes to the daemon's log. Output that answers another request than
+    its sink's (see ParentRequests) names that request's msg_id in its event.
     """
 
     FLUSH_INTERVAL = 0.01
@@ -400,12 +402,14 @@ class OutputRouter:
     # is a few dozen messages (each costs the kernel and the browser), small enough to bound a line.
     MAX_PENDING = 1024 * 1024
 
-    def __init__(self, capture: FdCapture):
+    def __init__(self, capture: FdCapture, parents: ParentRequests):
         self._capture = capture
+        self._parents = parents
         self._lock = threading.Lock()
         self._has_pending = threading.Condition(self._lock)
         self._cell: Cell | None = None
         self._pending_name = ""
+        self._pending_parent: str | None = None
         self._pending: list[str] = []
         self._pending_size = 0
         self._limit_noticed = False  # whether the current cell was told its output is dropped
@@ -475,13 +479,15 @@ class OutputRouter:
             # stayed in the daemon, but fds 1 and 2 still lead to its capture pipes.
             _write_all(1 if name == "stdout" else 2, text.encode("utf-8", "replace"))
             return
+        parent = self._parents.current()  # the writer's, so asked before taking the lock
         with self._lock:
             if self._capture.has_output():
                 self._absorb_fd_output()
-            self._append(name, text)
+            self._append(name, text, parent)
 
     def emit(self, type_: str, **fields: object) -> None:
         """A non-stream event of the current cell (dropped outside cells)."""
+        parent = self._parents.current()
         with self._lock:
             self._absorb_fd_output()
             self._flush()
@@ -489,6 +495,7 @@ class OutputRouter:
             if sink is None:
                 self.log("dropped a %s event produced outside of any cell\n" % type_)
                 return
+            fields.update(self._parent_field(sink, parent))
             if type_ not in LIMITED_EVENTS:
                 sink.emit(type_, **fields)
                 return
@@ -502,11 +509,19 @@ class OutputRouter:
     def log(self, text: str) -> None:
         _write_all(self._capture.log_fds["stderr"], text.encode("utf-8", "replace"))
 
+    @staticmethod
+    def _parent_field(sink: "Cell | BackgroundLog", parent: str | None) -> dict:
+        """The event's parent, when it is not its sink's own (a cell's parent_msg_id; between
+        cells, the kernel's default is the last cell's, which the event may not answer)."""
+        if parent is None or (isinstance(sink, Cell) and parent == sink.parent_msg_id):
+            return {}
+        return {protocol.PARENT: parent}
+
     def _absorb_fd_output(self) -> None:
         for name, text in self._capture.read_available():
-            self._append(name, text)
+            self._append(name, text, self._parents.global_parent)  # no thread of ours wrote it
 
-    def _append(self, name: str, text: str) -> None:
+    def _append(self, name: str, text: str, parent: str | None) -> None:
         if not text:
             return
         if self._sink() is None:
@@ -514,13 +529,14 @@ class OutputRouter:
             return
         if len(text) > self.MAX_PENDING:  # a long write goes in pieces: no event is huge
             for start in range(0, len(text), self.MAX_PENDING):
-                self._append(name, text[start:start + self.MAX_PENDING])
+                self._append(name, text[start:start + self.MAX_PENDING], parent)
             return
-        if self._pending and name != self._pending_name:
+        if self._pending and (name != self._pending_name or parent != self._pending_parent):
             self._flush()
         if not self._pending:
             self._has_pending.notify()
         self._pending_name = name
+        self._pending_parent = parent
         self._pending.append(text)
         self._pending_size += len(text)
         if self._pending_size >= self.MAX_PENDING:
@@ -539,7 +555,8 @@ class OutputRouter:
             return
         allowed = sink.budget.take(len(text))
         if allowed:
-            sink.emit("stream", name=self._pending_name, text=text if allowed == len(text) else text[:allowed])
+            sink.emit("stream", name=self._pending_name, text=text if allowed == len(text) else text[:allowed],
+                      **self._parent_field(sink, self._pending_parent))
         if allowed < len(text):
             self._notice_limit()
         self._pace()
@@ -611,38 +628,77 @@ def _make_cell_stream(router: OutputRouter, name: str, fd: int) -> io.TextIOBase
 
 
 class ParentRequests:
-    """Which frontend request the output now answers, as ipykernel's ``kernel.get_parent()``
-    tells it: the running cell's (or delivered comm message's), and between cells the last
-    cell's, which is where the kernel shows a background thread's output. ipywidgets'
-    Output widget asks its comm's ``kernel`` for it and captures the output of that id."""
+    """Which frontend request output now answers (its msg_id), as ipykernel's shell tells it
+    (get_parent, set_parent, set_thread_parent): a context variable, falling back to a global
+    one. Each cell sets both when it starts; between cells the global stays the last cell's,
+    where the kernel shows a background thread's output. A thread may choose its own (the
+    context variable is per thread), and an asyncio task keeps the one of the cell that
+    made it (a task copies the context it is made in). The router tags output with it.
+    ipywidgets' Output widget asks its comm's ``kernel`` for it and captures output by it."""
 
     def __init__(self) -> None:
-        self._running: str | None = None
-        self._between_cells: str | None = None
+        self._context: contextvars.ContextVar[str | None] = contextvars.ContextVar("sandbox_kernel_parent")
+        self._global: str | None = None
 
-    def enter(self, msg_id: str | None, between_cells: bool) -> None:
-        self._running = msg_id
+    def enter(self, msg_id: str | None, between_cells: bool) -> contextvars.Token:
+        """A run starts (a cell, or a frontend's comm message): its output answers msg_id."""
         if between_cells:
-            self._between_cells = msg_id
+            self._global = msg_id
+        return self._context.set(msg_id)
 
-    def leave(self) -> None:
-        self._running = None
+    def leave(self, token: contextvars.Token) -> None:
+        self._context.reset(token)
+
+    def current(self) -> str | None:
+        """The msg_id output made here and now answers."""
+        try:
+            return self._context.get()
+        except LookupError:
+            return self._global
+
+    @property
+    def global_parent(self) -> str | None:
+        """For output of no particular thread (a subprocess's, through the captured fds)."""
+        return self._global
+
+    # ipykernel's shell API (the IPython shell delegates to these; see _build_ipython_shell)
 
     def get_parent(self) -> dict:
-        msg_id = self._running or self._between_cells
+        msg_id = self.current()
         return {"header": {"msg_id": msg_id}} if msg_id else {}
+
+    def set_parent(self, parent: object) -> None:
+        """This thread's output, and that of threads which chose none, goes to parent's request."""
+        msg_id = _msg_id_of(parent)
+        self._context.set(msg_id)
+        self._global = msg_id
+
+    def set_thread_parent(self, parent: object) -> contextvars.Token:
+        """Only this thread's (or task's) output goes to parent's request, until reset."""
+        return self._context.set(_msg_id_of(parent))
+
+    def reset_thread_parent(self, token: contextvars.Token) -> None:
+        self._context.reset(token)
+
+
+def _msg_id_of(parent: object) -> str | None:
+    """The msg_id of a message or of a header (what get_parent gives), or None."""
+    if not isinstance(parent, dict):
+        return None
+    header = parent.get("header", parent)
+    msg_id = header.get("msg_id") if isinstance(header, dict) else None
+    return msg_id if isinstance(msg_id, str) and msg_id else None
 
 
 class CommBridge:
     """Jupyter comms in the sandbox (ipywidgets and the like), through the `comm` package
     when it is installed: its create_comm and get_comm_manager are pointed here. What a
     comm sends becomes a `comm` event of the running cell (buffers as base64); what the
-    frontend sends arrives as a run whose request has a `comm` field (Daemon._run_user_code),
-    so handlers run in the main thread like cells, and their events have that run's parent."""
+    frontend sends arrives as a run whose request has a `comm` field (Daemon._deliver_comm),
+    so handlers run in the main thread, and their events have that run's parent."""
 
-    def __init__(self, router: OutputRouter):
+    def __init__(self, router: OutputRouter, parents: ParentRequests):
         self.manager = None
-        self.parents = ParentRequests()
         try:
             import comm
             from comm.base_comm import BaseComm, CommManager
@@ -650,7 +706,7 @@ class CommBridge:
             return
 
         class EventComm(BaseComm):
-            kernel = self.parents  # all of ipykernel's kernel that comm users ask for
+            kernel = parents  # all of ipykernel's kernel that comm users ask for
 
             def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
                 content = dict(keys, data=data if data is not None else {}, comm_id=self.comm_id)
@@ -1103,12 +1159,12 @@ class IPythonEngine:
     """Runs cells with a full IPython InteractiveShell (magics, ``!cmd``, rich
     display, IPython tracebacks) whose output machinery emits events."""
 
-    def __init__(self, router: OutputRouter):
+    def __init__(self, router: OutputRouter, parents: ParentRequests):
         import IPython
 
         self.ipython_version = IPython.__version__
         self._count = 0
-        self.shell = _build_ipython_shell(router.emit, lambda: self._count)
+        self.shell = _build_ipython_shell(router.emit, lambda: self._count, parents)
 
     def reset_after_fork(self) -> None:
         # The history manager's locks may have been held by the parent's main thread.
@@ -1190,9 +1246,10 @@ class IPythonEngine:
         return {"found": True, "data": bundle, "metadata": {}}
 
 
-def _build_ipython_shell(emit, current_count):
+def _build_ipython_shell(emit, current_count, parents: ParentRequests):
     """An InteractiveShell whose displays, results and tracebacks become events
-    (the same hooks ipykernel's ZMQInteractiveShell uses)."""
+    (the same hooks ipykernel's ZMQInteractiveShell uses), with ipykernel's shell API
+    that tells which request output goes to (get_parent, set_parent, set_thread_parent)."""
     from IPython.core.displayhook import DisplayHook
     from IPython.core.displaypub import DisplayPublisher
     from IPython.core.interactiveshell import InteractiveShell
@@ -1260,6 +1317,18 @@ def _build_ipython_shell(emit, current_count):
             # exit()/quit() in a cell must not end the daemon; the frontend is told
             # instead (an ask_exit payload), as ipykernel does.
             emit("ask_exit")
+
+        def get_parent(self):
+            return parents.get_parent()
+
+        def set_parent(self, parent):
+            parents.set_parent(parent)
+
+        def set_thread_parent(self, parent):
+            return parents.set_thread_parent(parent)
+
+        def reset_thread_parent(self, token):
+            parents.reset_thread_parent(token)
 
         def enable_gui(self, gui=None):
             if gui not in (None, "inline"):
@@ -1472,7 +1541,7 @@ class Daemon:
         self._running: Cell | None = None
         self._main_thread = threading.get_ident()
         # The main thread's event loop, and how a submitted cell wakes it (_main_loop).
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop
         self._cell_queued: asyncio.Event | None = None
         self._server: socket.socket | None = None
         self._connections: set = set()  # open client connections (a forked child closes its copies)
@@ -1488,7 +1557,8 @@ class Daemon:
     def serve_forever(self) -> None:
         os.makedirs(self.journal_dir, mode=0o700, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
-        self.router = OutputRouter(FdCapture())
+        self.parents = ParentRequests()
+        self.router = OutputRouter(FdCapture(), self.parents)
         self.router.start_threads()
         threading.excepthook = self._log_thread_exception
         _use_workspace_packages()
@@ -1497,7 +1567,9 @@ class Daemon:
         self.engine = self._create_engine()
         self.inputs = InputBridge(self.router)
         self.inputs.install()
-        self.comms = CommBridge(self.router)
+        self.comms = CommBridge(self.router, self.parents)
+        # Made before serving: a request may schedule work on it (_submit) before it runs.
+        self._loop = asyncio.new_event_loop()
         # SIGINT is ignored between cells and a KeyboardInterrupt during them.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, lambda signum, frame: self._exit())
@@ -1514,7 +1586,7 @@ class Daemon:
         """Run queued cells forever on a new event loop. A cell can use the running loop
         and await at top level; tasks it starts run on while it awaits and between cells."""
         self._loop_files = _event_loop_files()
-        self._loop = loop = asyncio.new_event_loop()
+        loop = self._loop
         asyncio.set_event_loop(loop)
         cells = loop.create_task(self._run_cells())
         while True:
@@ -1545,7 +1617,7 @@ class Daemon:
         os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline" if inline else "Agg"
         if use_ipython:
             try:
-                return IPythonEngine(self.router)
+                return IPythonEngine(self.router, self.parents)
             except Exception:
                 self.router.log("IPython failed to start, using the plain engine:\n" + traceback.format_exc())
                 os.environ["MPLBACKEND"] = "Agg"
@@ -1613,6 +1685,7 @@ class Daemon:
         count = self.engine.execution_count if stored else self.engine.execution_count - 1
         cell.started_count, cell.stored = count, stored
         self.router.begin(cell)
+        parent = self.parents.enter(cell.parent_msg_id, between_cells=True)
         ok = False
         reply: dict = {}  # for the execute_reply: user_expressions, payload
         try:
@@ -1626,28 +1699,55 @@ class Daemon:
         except Exception:
             self.router.log("internal error running %s:\n%s" % (cell.cell_id, traceback.format_exc()))
         finally:
+            self.parents.leave(parent)
             self.router.end()
             cell.emit("done", status="ok" if ok else "error", execution_count=count, **reply)
             cell.code = ""  # the journal has what matters now
 
     async def _run_user_code(self, cell: Cell, stored: bool, count: int) -> bool:
-        with self._lock:
-            self._running = cell
-        signal.signal(signal.SIGINT, self._on_interrupt)
-        self.comms.parents.enter(cell.parent_msg_id, between_cells=cell.comm is None)
+        self._start_running(cell)
         try:
-            if cell.comm is not None:
-                self.comms.deliver(cell.comm)  # its handlers log their own errors
-                return True
             return await self.engine.run(cell.code, cell.silent, stored, count)
         except KeyboardInterrupt:  # landed in engine code rather than in the user's
             self.router.emit("error", ename="KeyboardInterrupt", evalue="", traceback=[])
             return False
         finally:
-            self.comms.parents.leave()
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            with self._lock:
-                self._running = None
+            self._stop_running()
+
+    def _start_running(self, cell: Cell) -> None:
+        """User code runs for cell from now on: an interrupt raises KeyboardInterrupt in it."""
+        with self._lock:
+            self._running = cell
+        signal.signal(signal.SIGINT, self._on_interrupt)
+
+    def _stop_running(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with self._lock:
+            self._running = None
+
+    def _deliver_comm(self, cell: Cell) -> None:
+        """A frontend's comm message, handed to the comm manager on the main thread's loop
+        (Daemon._submit schedules it there): at once between cells, and while a cell awaits
+        (a cell may wait for a widget's answer, as under ipykernel); after a cell that never
+        awaits, in the order they came. Its handlers' output answers its request: during a
+        cell it goes out among that cell's events, naming its parent (see ParentRequests)."""
+        during_cell = self.router.current_cell is not None
+        if not during_cell:
+            self.router.begin(cell)
+            self._start_running(cell)
+        parent = self.parents.enter(cell.parent_msg_id, between_cells=False)
+        try:
+            self.comms.deliver(cell.comm)  # its handlers log their own errors
+        except KeyboardInterrupt:
+            if during_cell and CellTask.current is not None:
+                CellTask.current.cancel()  # the interrupt was meant for the awaiting cell
+        finally:
+            self.parents.leave(parent)
+            if not during_cell:
+                self._stop_running()
+                self.router.end()
+            cell.emit("done", status="ok")
+            cell.code = ""
 
     def _on_interrupt(self, signum: int, frame) -> None:
         """SIGINT during a cell: a KeyboardInterrupt where the cell's code runs; but a cell
@@ -1742,9 +1842,12 @@ class Daemon:
                     cell.user_expressions = {str(k): str(v) for k, v in expressions.items()}
                 self._cells[cell_id] = cell
                 self._forget_old_cells()
-                self._queue.put(cell)
-                if self._loop is not None and self._cell_queued is not None:
-                    self._loop.call_soon_threadsafe(self._cell_queued.set)
+                if comm_message is not None:
+                    self._loop.call_soon_threadsafe(self._deliver_comm, cell)
+                else:
+                    self._queue.put(cell)
+                    if self._cell_queued is not None:
+                        self._loop.call_soon_threadsafe(self._cell_queued.set)
         return cell
 
     def _forget_old_cells(self) -> None:
@@ -1964,7 +2067,8 @@ class Daemon:
             if cell.stored and cell.started_count is not None:  # its number was handed out
                 self.engine.execution_count = max(self.engine.execution_count, cell.started_count + 1)
         self._queue = queue.Queue()
-        self._loop = self._cell_queued = None  # the parent's; _main_loop makes the child's
+        self._cell_queued = None  # the parent's; _main_loop makes the child's
+        self._loop = asyncio.new_event_loop()  # the parent's loop holds the parent's tasks
         self._lock = threading.Lock()
         self._fork_lock = threading.Lock()
         self._running = None

@@ -42,6 +42,9 @@ TYPE = "type"
 ERROR = "error"
 AFTER = "after"
 BACKGROUND_AFTER = "background_after"
+# On an output event: the msg_id of the request it answers, when not its cell's (a thread that
+# chose its parent with set_thread_parent, a task an earlier cell started)
+PARENT = "parent"
 
 # Event types (Jupyter's message types where there is one)
 STARTED = "started"

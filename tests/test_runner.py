@@ -610,6 +610,65 @@ def test_comms_in_the_sandbox(daemon):
     assert "comm request" in parse(refused.stdout)[0]["error"]
 
 
+def test_output_names_the_request_its_thread_or_task_chose(ipython_daemon):
+    """ipykernel's shell API: a thread that chose its cell's parent (set_thread_parent), and an
+    asyncio task a cell started, print into a later cell's events naming the first request."""
+    run_request(ipython_daemon, parent_msg_id="request-a", code=(
+        "import asyncio, threading\nparent = get_ipython().get_parent()\ngo = threading.Event()\n"
+        "def work():\n    token = get_ipython().set_thread_parent(parent)\n    go.wait()\n"
+        "    print('thread chose a', flush=True)\n    get_ipython().reset_thread_parent(token)\n"
+        "    print('thread back to the running cell', flush=True)\n"
+        "thread = threading.Thread(target=work)\nthread.start()\n"
+        "async def later():\n    await asyncio.sleep(0.2)\n    print('task of a', flush=True)\n"
+        "task = asyncio.get_running_loop().create_task(later())"))
+    events = run_request(ipython_daemon, parent_msg_id="request-b", code=(
+        "print(get_ipython().get_parent()['header']['msg_id'], flush=True)\ngo.set()\nthread.join()\n"
+        "await task"))
+    assert [(event["text"], event.get("parent")) for event in of_type(events, "stream")] == [
+        ("request-b\n", None), ("thread chose a\n", "request-a"), ("thread back to the running cell\n", None),
+        ("task of a\n", "request-a")]
+
+
+def start_printing_cell(daemon, code: str, **fields) -> subprocess.Popen:
+    """Run a cell that prints first, once that print has come (so the cell is running)."""
+    cell_id = new_cell_id()
+    client = daemon.popen("run", {"cell_id": cell_id, "code": "print('started', flush=True)\n" + code, **fields})
+    while not of_type(daemon.attach(cell_id, wait=0.1), "stream"):
+        pass
+    return client
+
+
+def test_a_comm_message_reaches_a_cell_that_awaits_it(daemon):
+    """A widget's answer arrives while the cell awaits it; a cell that never awaits gets its
+    messages after it ends, in the order they came; a handler's output names its request."""
+    events = daemon.run("import asyncio, comm\nc = comm.create_comm(target_name='t')\n"
+                        "answer = asyncio.get_running_loop().create_future()\n"
+                        "c.on_msg(lambda msg: (print('handled'), answer.set_result(msg['content']['data'])))")
+    comm_id = of_type(events, "comm")[0]["content"]["comm_id"]
+    waiting = start_printing_cell(daemon, "print(await asyncio.wait_for(answer, 20))", parent_msg_id="cell-request")
+    message = {"msg_type": "comm_msg", "content": {"comm_id": comm_id, "data": {"value": 42}}}
+    delivered = run_request(daemon, code="", silent=True, comm=message, parent_msg_id="comm-request")
+    assert delivered[-1]["status"] == "ok", delivered
+    cell = parse(waiting.communicate(timeout=30)[0])
+    assert cell[-1]["status"] == "ok", cell
+    assert [(event["text"], event.get("parent")) for event in of_type(cell, "stream")] == [
+        ("started\n", None), ("handled\n", "comm-request"), ("{'value': 42}\n", None)]
+
+    daemon.run("got = []\nc.on_msg(lambda msg: got.append(msg['content']['data']['n']))")
+    busy = start_printing_cell(daemon, "import time\ntime.sleep(2)\nlen(got)")
+    senders = []
+    for n in range(3):  # one after the other: each is known to the daemon before the next is sent
+        cell_id = new_cell_id()
+        senders.append(daemon.popen("run", {"cell_id": cell_id, "code": "", "silent": True, "comm": {
+            "msg_type": "comm_msg", "content": {"comm_id": comm_id, "data": {"n": n}}}}))
+        while [event.get("status") for event in daemon.attach(cell_id, wait=0)] == ["unknown"]:
+            pass
+    assert result_text(parse(busy.communicate(timeout=30)[0])) == "0"  # it never awaited: none came during it
+    for sender in senders:
+        assert parse(sender.communicate(timeout=30)[0])[-1]["status"] == "ok"
+    assert result_text(daemon.run("got")) == "[0, 1, 2]"
+
+
 def test_edit_tells_the_frontend_which_file_to_open(ipython_daemon):
     ipython_daemon.run("with open('edited.py', 'w') as f:\n    f.write('x = 1\\n')")
     events = ipython_daemon.run("%edit edited.py")
