@@ -55,6 +55,10 @@ USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
 # outputs must not take the shell's parent from there.
 REQUEST_PARENT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("request_parent")
 COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
+# Whether ipykernel dispatches the shell message being handled "concurrently": a comm message
+# that came while another shell message was being handled, which it announces with no status.
+DISPATCHED_CONCURRENTLY: contextvars.ContextVar[bool] = contextvars.ContextVar("dispatched_concurrently",
+                                                                               default=False)
 STDIN_POLL = 0.01  # seconds between looks for the frontend's input_reply
 # Requests whose output the sandbox can still name (an event's PARENT: a thread or task of
 # an earlier cell); older ones are forgotten, and their output is shown as if unnamed.
@@ -124,6 +128,7 @@ class SandboxKernel(Kernel):
         # ipykernel dispatches comm messages concurrently while a shell message is handled;
         # they must reach the sandbox in the order they came (a comm_msg after its comm_open).
         self.comm_order = asyncio.Lock()
+        self.cells_executing = 0  # execute_requests being handled (see _comm_from_frontend)
         # Client sessions that asked is_complete: terminals (see _frontend_updates_in_place).
         self.terminal_sessions: set[str] = set()
         # The last cell's translator: output the runner sends between cells (a background
@@ -225,6 +230,7 @@ class SandboxKernel(Kernel):
                          **_: Any) -> dict[str, Any]:
         """Every execute_request gets its reply, whatever is raised on the way."""
         request = REQUEST_PARENT.set(self.get_parent())  # shell's or control's, by the thread we are on
+        self.cells_executing += 1
         try:
             return await self._on_main_loop(
                 self._execute(code, silent, store_history, user_expressions or {}, allow_stdin))
@@ -235,6 +241,7 @@ class SandboxKernel(Kernel):
             return self._fail("SandboxError", f"internal error ({type(exc).__name__}: {exc}); "
                               "details are in the kernel's log")
         finally:
+            self.cells_executing -= 1
             REQUEST_PARENT.reset(request)
 
     async def _execute(self, code: str, silent: bool, store_history: bool,
@@ -460,9 +467,33 @@ class SandboxKernel(Kernel):
 
     # -- comms (ipywidgets...): the comm manager lives in the sandbox ---------------------------
 
+    async def dispatch_shell(self, msg, /, subshell_id=None, *, concurrent=False):  # type: ignore[no-untyped-def]
+        token = DISPATCHED_CONCURRENTLY.set(concurrent)
+        try:
+            await super().dispatch_shell(msg, subshell_id=subshell_id, concurrent=concurrent)
+        finally:
+            DISPATCHED_CONCURRENTLY.reset(token)
+
     async def _comm_from_frontend(self, stream, ident, parent):  # type: ignore[no-untyped-def]
         """comm_open/comm_msg/comm_close: run in the sandbox like a silent cell, so the
-        handlers' messages (a widget's echo, its output) come back with this one as parent."""
+        handlers' messages (a widget's echo, its output) come back with this one as parent.
+
+        ipykernel hands over a comm message that comes while another shell message is handled
+        at once, without the busy and idle statuses of its parent; here handlers take a round
+        trip to the sandbox, so in a burst of widget changes most messages come that way. But
+        ipywidgets' frontend sends a widget's next change only once the previous message is
+        idle: without the statuses the last changes of a burst were never sent. So each gets
+        them, in turn, as ipykernel's own comm messages do, unless a cell is running (the
+        kernel is busy with it: a cell may await a widget's answer)."""
+        announce = DISPATCHED_CONCURRENTLY.get() and not self.cells_executing
+        # Its own parent: one that comes during a cell is handled in the cell's context.
+        request = REQUEST_PARENT.set(parent)
+        try:
+            await self._deliver_comm(parent, announce)
+        finally:
+            REQUEST_PARENT.reset(request)
+
+    async def _deliver_comm(self, parent: dict[str, Any], announce: bool) -> None:
         if not self._sandbox_ready():
             log.warning("%s before the sandbox is up: dropped", parent["header"]["msg_type"])
             return
@@ -474,8 +505,14 @@ class SandboxKernel(Kernel):
         translate = _EventTranslator(self, self.sandbox, cell_id)
         try:
             async with self.comm_order:
-                await self.sandbox.run_cell(cell_id, "", translate.handle, silent=True, store_history=False,
-                                            fields={"comm": message, "parent_msg_id": self._parent_msg_id()})
+                if announce:
+                    self._publish_status("busy", "shell", parent)
+                try:
+                    await self.sandbox.run_cell(cell_id, "", translate.handle, silent=True, store_history=False,
+                                                fields={"comm": message, "parent_msg_id": self._parent_msg_id()})
+                finally:
+                    if announce:
+                        self._publish_status("idle", "shell", parent)
         except Exception as exc:  # no reply to send: the frontend learns nothing, the log does
             log.warning("%s not delivered: %s", message["msg_type"], exc)
         finally:

@@ -392,6 +392,53 @@ def test_a_slider_moved_in_the_frontend_reaches_its_observer(kc: BlockingKernelC
     assert run(kc, "slider.value").of_type("execute_result")[0]["data"]["text/plain"] == "7"
 
 
+def test_each_comm_message_of_a_burst_is_busy_then_idle(kc: BlockingKernelClient) -> None:
+    """ipywidgets' frontend sends a widget's next change only when the previous one is idle:
+    in a burst (a slider moved by keys) every message needs its busy and idle statuses, also
+    those that come while the previous one is still being handled in the sandbox."""
+    run(kc, "import comm\nseen = []\nburst = comm.create_comm(target_name='burst')\n"
+            "burst.on_msg(lambda msg: seen.append(msg['content']['data']['n']))")
+    comm_id = next(iter(kc.comm_info("burst", reply=True, timeout=TIMEOUT)["content"]["comms"]))
+    sent = [kc.session.send(kc.shell_channel.socket, "comm_msg", {"comm_id": comm_id, "data": {"n": n}})
+            for n in range(4)]
+    statuses: dict[str, list[str]] = {message["header"]["msg_id"]: [] for message in sent}
+    while any(states != ["busy", "idle"] for states in statuses.values()):
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        validate(msg)
+        if msg["msg_type"] == "status" and msg["parent_header"].get("msg_id") in statuses:
+            statuses[msg["parent_header"]["msg_id"]].append(msg["content"]["execution_state"])
+            assert len(statuses[msg["parent_header"]["msg_id"]]) <= 2, statuses
+    assert run(kc, "print(seen)").text() == "[0, 1, 2, 3]\n"
+
+
+def test_a_cell_that_awaits_a_widgets_answer_gets_it(kc: BlockingKernelClient) -> None:
+    """The frontend's comm message reaches the sandbox while a cell awaits it, and the
+    handler's output is shown on the comm message's parent."""
+    waiting = kc.execute("import asyncio, comm\nanswer = asyncio.get_running_loop().create_future()\n"
+                         "asker = comm.create_comm(target_name='asker')\n"
+                         "asker.on_msg(lambda msg: (print('handled'), answer.set_result(msg['content']['data'])))\n"
+                         "print('got', await asyncio.wait_for(answer, 30))")
+    comm_id = None
+    while comm_id is None:
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        if msg["msg_type"] == "comm_open" and msg["parent_header"].get("msg_id") == waiting:
+            comm_id = msg["content"]["comm_id"]
+    sent = kc.session.send(kc.shell_channel.socket, "comm_msg", {"comm_id": comm_id, "data": {"value": 42}})
+    texts: dict[str, str] = {}
+    while True:
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        validate(msg)
+        parent = msg["parent_header"].get("msg_id")
+        if msg["msg_type"] == "stream":
+            texts[parent] = texts.get(parent, "") + msg["content"]["text"]
+        if msg["msg_type"] == "status" and parent == waiting and msg["content"]["execution_state"] == "idle":
+            break
+    assert texts == {sent["header"]["msg_id"]: "handled\n", waiting: "got {'value': 42}\n"}
+    reply = kc.get_shell_msg(timeout=TIMEOUT)
+    validate(reply)
+    assert reply["parent_header"]["msg_id"] == waiting and reply["content"]["status"] == "ok"
+
+
 def test_usage_reply_takes_only_sane_numbers_from_the_sandbox() -> None:
     from sandbox_kernel.usage import usage_reply
 
