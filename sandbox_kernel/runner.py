@@ -1741,6 +1741,8 @@ class Daemon:
         except KeyboardInterrupt:
             if during_cell and CellTask.current is not None:
                 CellTask.current.cancel()  # the interrupt was meant for the awaiting cell
+        except Exception:
+            self.router.log("internal error delivering %s:\n%s" % (cell.cell_id, traceback.format_exc()))
         finally:
             self.parents.leave(parent)
             if not during_cell:
