@@ -312,3 +312,26 @@ async def test_a_paused_sandbox_keeps_the_cell_waiting_until_it_resumes() -> Non
 async def _until(condition: Callable[[], bool]) -> None:
     while not condition():
         await asyncio.sleep(0.01)
+
+
+async def test_two_cells_in_flight_each_get_their_own_events_and_done() -> None:
+    """A frontend's comm message is delivered while a cell awaits it: both are followed."""
+    def respond(request: dict[str, Any]) -> list[dict[str, Any]]:
+        if request["cell_id"] == "awaiting":  # it waits for the comm message: no done yet
+            return [{"cell": "awaiting", "seq": 1, "type": "stream", "name": "stdout", "text": "waiting\n"}]
+        return [{"cell": "comm", "seq": 1, "type": "stream", "name": "stdout", "text": "handled\n"},
+                {"cell": "comm", "seq": 2, "type": "done", "status": "ok"},
+                {"cell": ["not", "an", "id"], "seq": 1, "type": "stream", "name": "stdout", "text": "?\n"},
+                {"error": "refused", "cell_id": {"not": "an id"}},
+                {"cell": "awaiting", "seq": 2, "type": "stream", "name": "stdout", "text": "answered\n"},
+                {"cell": "awaiting", "seq": 3, "type": "done", "status": "ok"}]
+    process, awaiting, comm = ScriptedProcess(respond), Recorder(), Recorder()
+    channel = await open_channel(process, awaiting)
+    first = asyncio.create_task(run(channel, awaiting, "awaiting"))
+    while not awaiting.events:
+        await asyncio.sleep(0.01)
+    assert (await run(channel, comm, "comm"))["status"] == "ok"
+    assert (await first)["status"] == "ok"
+    assert awaiting.text() == "waiting\nanswered\n" and comm.text() == "handled\n"
+    assert channel.alive
+    await channel.close()
