@@ -23,10 +23,12 @@ Besides the code, a ``run`` request carries what the execute_request asked:
 ``allow_stdin`` (false: ``input()`` raises StdinNotImplementedError) and
 ``user_expressions`` (evaluated after the cell, returned in its ``done`` event, which
 also carries the cell's ``payload``: pager, next input, edit). A run with a ``comm``
-field delivers a frontend's comm message to the comm manager instead of running code;
-``comm`` events are the messages comms in the sandbox send (buffers in base64).
-``parent_msg_id`` is the id of the frontend's request the run answers (its events go
-out with that parent): ipywidgets' Output widget captures the output of that id.
+field delivers a frontend's comm message to the comm manager instead of running code,
+not queued behind cells but on the event loop (so while a cell awaits); ``comm`` events
+are the messages comms in the sandbox send (buffers in base64). ``parent_msg_id`` is
+the id of the frontend's request the run answers (its events go out with that parent):
+ipywidgets' Output widget captures the output of that id. An output event that answers
+another request (a thread's chosen one, see ParentRequests) names it in ``parent``.
 One-shot ops ``usage`` and ``comm_info`` answer usage_request and comm_info_request.
 
 Forking: the one-shot op ``{"op": "fork", "join_pid": N | null, "dir": str | null}``
