@@ -46,7 +46,6 @@ from .api import (
     ProtocolError,
     SandboxAPIError,
     SandboxClient,
-    SandboxStatus,
     ServerError,
 )
 
@@ -60,6 +59,7 @@ RECONNECT_DELAYS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
 REQUEST_TIMEOUT = 60.0  # seconds a one-shot request (complete, inspect, info) may take
 # Statuses with which a provider says it has no managed processes.
 NO_PROCESSES = (404, 405, 501)
+# Failures of one connection that a reconnect can repair (the exec transport's too).
 RECOVERABLE = (APITransportError, ProtocolError, ServerError)
 
 
@@ -122,8 +122,7 @@ class SandboxProcesses:
         """True while the sandbox is paused or on its way there or back (its next cell resumes
         it); raises NotFoundError once the sandbox is gone."""
         sandbox = await self.client.get_sandbox(self.sandbox_id)
-        return sandbox.status in (SandboxStatus.PAUSING, SandboxStatus.PAUSED, SandboxStatus.RESUMING,
-                                  SandboxStatus.FORKING)
+        return sandbox.status.is_pause_like
 
 
 @dataclass
