@@ -5,9 +5,9 @@ The kernel uploads this file into the sandbox and uses it in two roles:
 
 * ``runner.py serve DIR`` is a persistent daemon that owns the user's Python
   globals. It runs cells one at a time in its main thread (with IPython when
-  importable, with a small ast-based executor otherwise) and records every
-  output event of a cell, in memory and in ``DIR/cells/<cell_id>.ndjson``.
-* its clients are ``runner_client.py run|attach|request DIR B64`` (a separate,
+  importable, with a small ast-based executor otherwise) and keeps every output
+  event of a cell in memory, so a client can read them again from any seq.
+* its clients are ``runner_client.py run|request DIR B64`` (a separate,
   tiny file: it starts once per cell, see there), started through the sandbox's
   exec API (no stdin) for each cell or operation. They talk to the daemon over
   ``DIR/runner.sock`` and copy its answer, NDJSON, to stdout. B64 is base64 of
@@ -49,7 +49,6 @@ import runner_protocol as protocol  # sandbox_kernel/runner_protocol.py
 
 SOCKET_NAME = "runner.sock"
 READY_NAME = "ready"
-JOURNAL_DIR_NAME = "cells"
 NO_IPYTHON_ENV = "SANDBOX_KERNEL_RUNNER_NO_IPYTHON"
 FORKABLE_DIR_ENV = "SANDBOX_FORKABLE_DIR"
 LOG_NAME = "runner.log"  # where the kernel points the daemon's stdout/stderr (a forked child reopens it)
@@ -142,12 +141,12 @@ def _encode_line(obj: dict) -> bytes:
 class Cell:
     """One submitted cell and its events, which clients can (re)read from any seq.
 
-    Events are kept in memory (encoded) and appended to the cell's journal as
-    they are produced, so a client whose connection dropped can attach again
-    and get exactly the events it has not seen yet.
+    Events are kept in memory (encoded), so a client whose connection dropped can
+    send its `run` again with the last seq it saw and get exactly the events it has
+    not seen yet (the exec-per-cell transport's reconnect).
     """
 
-    def __init__(self, cell_id: str, code: str, silent: bool, store_history: bool, journal_path: str,
+    def __init__(self, cell_id: str, code: str, silent: bool, store_history: bool,
                  execution_count: int | None, budget: OutputBudget):
         self.cell_id = cell_id
         self.budget = budget  # how much more output it may show
@@ -157,7 +156,6 @@ class Cell:
         # The kernel's own count, when it numbers cells (magics it handles on the host
         # take numbers too); None lets the runner count.
         self.execution_count = execution_count
-        self.journal_path = journal_path
         # What the execute_request asked besides the code (set by the daemon when submitted).
         self.allow_stdin = True
         self.user_expressions: dict = {}
@@ -168,7 +166,6 @@ class Cell:
         self.finished = False
         self._lines: list[bytes] = []
         self._changed = threading.Condition()
-        self._journal = open(journal_path, "wb")
 
     def emit(self, type_: str, **fields: object) -> None:
         with self._changed:
@@ -176,11 +173,8 @@ class Cell:
             event.update(fields)
             line = _encode_line(event)
             self._lines.append(line)
-            self._journal.write(line)
-            self._journal.flush()
             if type_ == "done":
                 self.finished = True
-                self._journal.close()
             self._changed.notify_all()
 
     def read_after(self, after: int, deadline: float | None) -> tuple[list[bytes], bool]:
@@ -200,18 +194,9 @@ class Cell:
     def release(self) -> None:
         self._changed.release()
 
-    def move_after_fork(self, journal_path: str) -> None:
-        """In a forked child: new condition (its lock may have been held by a dead
-        thread), and an unfinished cell journals to the child's own file from now on
-        (the inherited file object is the parent's file; its buffer is empty, since
-        emit flushes and the forking thread held the condition across the fork)."""
+    def reset_after_fork(self) -> None:
+        """In a forked child: a new condition (its lock may have been held by a dead thread)."""
         self._changed = threading.Condition()
-        if not self.finished:
-            self._journal.close()
-            self._journal = open(journal_path, "wb")
-            self._journal.write(b"".join(self._lines))
-            self._journal.flush()
-        self.journal_path = journal_path
 
     def abort_after_fork(self) -> None:
         """In a forked child: the cell did not come along, end it for its clients."""
@@ -1476,10 +1461,9 @@ class Daemon:
         self.state_dir = state_dir
         self.socket_path = os.path.join(state_dir, SOCKET_NAME)
         self.ready_path = os.path.join(state_dir, READY_NAME)
-        self.journal_dir = os.path.join(state_dir, JOURNAL_DIR_NAME)
 
     def serve_forever(self) -> None:
-        os.makedirs(self.journal_dir, mode=0o700, exist_ok=True)
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
         self.router = OutputRouter(FdCapture())
         self.router.start_threads()
@@ -1621,7 +1605,7 @@ class Daemon:
         finally:
             self.router.end()
             cell.emit("done", status="ok" if ok else "error", execution_count=count, **reply)
-            cell.code = ""  # the journal has what matters now
+            cell.code = ""  # its events have what matters now
 
     async def _run_user_code(self, cell: Cell, stored: bool, count: int) -> bool:
         with self._lock:
@@ -1677,7 +1661,7 @@ class Daemon:
                     if op == protocol.CHANNEL:
                         Channel(self, connection).serve(reader, request)
                         return
-                if op in (protocol.RUN, protocol.ATTACH):
+                if op == protocol.RUN:
                     self._stream(connection, request)
                     return
                 connection.sendall(_encode_line(self._one_shot(op, request)))
@@ -1685,7 +1669,7 @@ class Daemon:
                     connection.close()
                     self._exit()
             except OSError:
-                pass  # the client went away; a later attach can resume
+                pass  # the client went away; its next run with `after` resumes
             except Exception as exc:  # a bad request: tell the client why
                 try:
                     connection.sendall(_encode_line({"error": "%s: %s" % (type(exc).__name__, exc)}))
@@ -1698,13 +1682,7 @@ class Daemon:
         # "wait": return after that many seconds even if the cell is not done (polling
         # clients, when the sandbox service cannot stream an exec's output).
         wait = request.get("wait")
-        if request[protocol.OP] == protocol.RUN:
-            cell = self._submit(request)
-        else:
-            cell = self._cells.get(_checked_cell_id(request.get("cell_id")))
-        if cell is None:
-            connection.sendall(_encode_line({"seq": after + 1, "type": "done", "status": "unknown"}))
-            return
+        cell = self._submit(request)
         deadline = None if wait is None else time.monotonic() + float(wait)
         while True:
             lines, finished = cell.read_after(after, deadline)
@@ -1724,7 +1702,6 @@ class Daemon:
                 code = request["code"] if "code" in request else _take_code_file(request["code_file"])
                 count = request.get("execution_count")
                 cell = Cell(cell_id, code, bool(request.get("silent")), bool(request.get("store_history", True)),
-                            os.path.join(self.journal_dir, cell_id + ".ndjson"),
                             count if isinstance(count, int) else None, OutputBudget.from_request(request))
                 cell.allow_stdin = bool(request.get("allow_stdin", True))
                 cell.comm = comm_message
@@ -1744,10 +1721,6 @@ class Daemon:
         excess = len(self._cells) - MAX_CELLS
         for old in [cell for cell in self._cells.values() if cell.finished][:max(excess, 0)]:
             del self._cells[old.cell_id]
-            try:
-                os.remove(old.journal_path)
-            except OSError:
-                pass
 
     def _one_shot(self, op: object, request: dict) -> dict:
         if op == protocol.INTERRUPT:
@@ -1802,7 +1775,7 @@ class Daemon:
     def take_over(self) -> None:
         """Fork child, in the new sandbox: re-create everything tied to the parent's
         threads, locks and fds, then serve (ready file and registration last)."""
-        os.makedirs(self.journal_dir, mode=0o700, exist_ok=True)
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
 
         # Output: fds 1 and 2 still point into the parent's pipes, the log fds at its log.
@@ -1814,7 +1787,7 @@ class Daemon:
         running = self.router.current_cell
         unfinished = []
         for cell in self._cells.values():
-            cell.move_after_fork(os.path.join(self.journal_dir, cell.cell_id + ".ndjson"))
+            cell.reset_after_fork()
             if not cell.finished:
                 unfinished.append(cell)
         if running is not None:
