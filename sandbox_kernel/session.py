@@ -114,6 +114,11 @@ class SandboxSession:
         # open a channel the closing session would leave reading on a closed client.
         self.closing = False
         self.use_channel: bool | None = None
+        self.channel_sandbox = ""  # the sandbox the channel's relay runs in
+        # Relays of ours left in paused sandboxes (a paused sandbox refuses the kill: a fork
+        # switched to, another sandbox attached): ended when this kernel resumes their
+        # sandbox, so that switching back and forth does not pile them up to the pids limit.
+        self.relays_to_end: dict[str, list[RunnerChannel]] = {}
         self.open_channels = True  # False for a warm pool member: its kernel opens one later
         # Output the runner sends between cells (a background thread's print): the kernel
         # shows it on the last cell's parent.
@@ -305,9 +310,10 @@ class SandboxSession:
             self.use_channel = False
             return
         self.use_channel = True
-        old, self.channel = self.channel, channel
-        if old is not None:
-            await old.close()
+        old, old_sandbox = self.channel, self.channel_sandbox
+        self.channel, self.channel_sandbox = channel, sandbox_id
+        if old is not None and not await old.close():
+            self.relays_to_end.setdefault(old_sandbox, []).append(old)
 
     async def _background_event(self, event: dict[str, Any]) -> None:
         if self.on_background is not None:
@@ -376,7 +382,10 @@ class SandboxSession:
     async def resume(self, progress: Progress | None = None) -> SandboxView:
         client, sandbox_id = self._require()
         await client.resume_sandbox(sandbox_id)
-        return await self._settle(sandbox_id, SandboxStatus.RUNNING, progress)
+        view = await self._settle(sandbox_id, SandboxStatus.RUNNING, progress)
+        for relay in self.relays_to_end.pop(sandbox_id, []):
+            await relay.close()
+        return view
 
     async def fork(self, name: str | None = None, progress: Progress | None = None,
                    on_pause: Progress | None = None) -> SandboxView:
