@@ -8,6 +8,7 @@ process relaying requests and events) where the provider has managed processes; 
 it has not (decided once, at the first start), by one exec per request
 (exec_transport.py).
 """
+
 from __future__ import annotations
 
 import asyncio
