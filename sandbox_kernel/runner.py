@@ -100,7 +100,7 @@ def _import_daemon_modules() -> None:
     once ran this file too; runner_client.py is the client now)."""
     global ast, asyncio, builtins, codecs, collections, getpass, importlib, inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
-    global tokenize, traceback, types, warnings
+    global tokenize, traceback, types
     import ast
     import asyncio
     import builtins
@@ -123,7 +123,6 @@ def _import_daemon_modules() -> None:
     import tokenize
     import traceback
     import types
-    import warnings
 
 
 def _json_default(value: object) -> object:
