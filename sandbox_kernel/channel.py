@@ -16,6 +16,13 @@ lines), so what the kernel has not read is always within the service's retained 
 if it is not (a provider with a smaller window), the gap is said in the cell as one line.
 Interrupts are input lines too: they need no stream.
 
+A relay that ends without last words (killed from inside the sandbox: `pkill -f
+runner_client` in a cell, the OOM killer; or crashed) says nothing about its daemon, which
+usually lives on: a new relay is started in its place, and the cell in flight is asked for
+again with `after` its last event, so the daemon sends only what the kernel has not seen
+(variables and all are kept). A relay's own verdict ({"error": ...}: the daemon closed the
+connection or cannot be reached) ends the channel as a runner death.
+
 Bounds: the relay's stdout is sandbox-controlled (code in the sandbox can replace the
 relay file). Lines are cut with BoundedLines (an unterminated line is counted, never
 held), nothing is stored per event, and events are checked before use: a line that is
@@ -49,7 +56,6 @@ from .api import (
     ProtocolError,
     SandboxAPIError,
     SandboxClient,
-    SandboxStatus,
     ServerError,
 )
 
@@ -61,13 +67,21 @@ EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
 ACK_EVERY = 192 * 1024
 RECONNECT_DELAYS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
 REQUEST_TIMEOUT = 60.0  # seconds a one-shot request (complete, inspect, info) may take
+# Relays replaced in a row with no output from any of them: past this, the channel ends
+# (a cell that kills every relay it sees would otherwise keep us starting new ones).
+RELAY_REPLACEMENTS = 3
 # Statuses with which a provider says it has no managed processes.
 NO_PROCESSES = (404, 405, 501)
+# Failures of one connection that a reconnect can repair (the exec transport's too).
 RECOVERABLE = (APITransportError, ProtocolError, ServerError)
 
 
 class ChannelUnavailable(Exception):
     """The provider has no managed processes: the session uses one exec per cell instead."""
+
+
+class _RelayKilled(Exception):
+    """The relay exited without last words: its daemon may well be alive."""
 
 
 class ChannelError(Exception):
@@ -125,13 +139,13 @@ class SandboxProcesses:
         """True while the sandbox is paused or on its way there or back (its next cell resumes
         it); raises NotFoundError once the sandbox is gone."""
         sandbox = await self.client.get_sandbox(self.sandbox_id)
-        return sandbox.status in (SandboxStatus.PAUSING, SandboxStatus.PAUSED, SandboxStatus.RESUMING,
-                                  SandboxStatus.FORKING)
+        return sandbox.status.is_pause_like
 
 
 @dataclass
 class _CellFollow:
     cell_id: str
+    request: dict[str, Any]  # its run request, sent again to a relay that replaces a killed one
     on_event: EventHandler
     done: asyncio.Future[dict[str, Any]]
     last_seq: int = 0  # the cell's own event numbering (the runner's Cell)
@@ -178,26 +192,36 @@ class RunnerChannel:
         self.process_id = await self.transport.create(self.relay_args(self.background_seq))
         self._reader = asyncio.get_running_loop().create_task(self._read_forever())
 
-    async def close(self, kill: bool = True) -> None:
-        """Stop following, and end the relay if `kill` (best effort: it ends with its daemon)."""
+    async def close(self, kill: bool = True) -> bool:
+        """Stop following, and end the relay if `kill` (best effort: it ends with its daemon).
+
+        False if the relay could not be ended now because its sandbox is paused (which
+        refuses the kill): close it again once the sandbox runs.
+        """
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
         self._end(ChannelError("the channel was closed"))
         if kill and self.process_id:
-            with contextlib.suppress(SandboxAPIError, OSError):
+            try:
                 await self.transport.kill(self.process_id)
+            except ConflictError:
+                return False
+            except (SandboxAPIError, OSError) as exc:  # gone already, or not to be known now
+                log.warning("could not end the relay %s: %s", self.process_id, exc)
+        return True
 
     # -- requests ---------------------------------------------------------------------------
 
     async def run_cell(self, cell_id: str, request: dict[str, Any], on_event: EventHandler) -> dict[str, Any]:
         """Send a run request and deliver the cell's events in order; return its done event."""
         self._check()
-        follow = _CellFollow(cell_id, on_event, asyncio.get_running_loop().create_future())
+        request = {**request, protocol.OP: protocol.RUN, protocol.CELL_ID: cell_id}
+        follow = _CellFollow(cell_id, request, on_event, asyncio.get_running_loop().create_future())
         self._cells[cell_id] = follow
         try:
-            await self.send({**request, protocol.OP: protocol.RUN, protocol.CELL_ID: cell_id})
+            await self.send(request)
             return await follow.done
         finally:
             self._cells.pop(cell_id, None)
@@ -225,6 +249,7 @@ class RunnerChannel:
 
     async def _read_forever(self) -> None:
         failures = 0
+        replacements = 0
         try:
             while True:
                 progress = self._reading.seq
@@ -233,6 +258,15 @@ class RunnerChannel:
                         async for frame in frames:
                             if await self._take(frame):
                                 return
+                except _RelayKilled as exc:
+                    replacements = 0 if self._reading.seq > 0 else replacements + 1
+                    if replacements > RELAY_REPLACEMENTS:
+                        self._end(ChannelError("the relay to the runner in the sandbox keeps being killed"))
+                        return
+                    log.warning("%s: starting a new one", exc)
+                    await self._replace_relay()
+                    failures = 0
+                    continue
                 except RECOVERABLE as exc:
                     log.warning("channel stream dropped after seq %d: %s", self._reading.seq, exc)
                 except ConflictError:
@@ -256,6 +290,20 @@ class RunnerChannel:
             log.exception("the channel reader failed")
             self._end(ChannelError(f"internal error in the channel ({type(exc).__name__}: {exc})"))
 
+    async def _replace_relay(self) -> None:
+        """A new relay in place of one that was killed; each cell in flight is asked for
+        again from its last event (a run of a known cell only follows it, and one the old
+        relay never passed on starts now). Pending replies died with the old relay."""
+        self.process_id = await self.transport.create(self.relay_args(self.background_seq))
+        self._reading = _Reading()
+        self._lines = BoundedLines(self.line_limit)
+        self._last_words = ""
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(ChannelError("the relay to the runner was replaced; ask again"))
+        for follow in list(self._cells.values()):
+            await self.send({**follow.request, protocol.AFTER: follow.last_seq})
+
     async def _sandbox_paused(self) -> bool:
         try:
             return await self.transport.sandbox_paused()
@@ -270,8 +318,10 @@ class RunnerChannel:
             raise ProtocolError(f"error frame: {frame.error}")
         if kind == "exit":
             await self._lines_of(self._lines.close())
-            reason = self._last_words or f"its relay ended (exit code {frame.exit_code}, signal {frame.signal})"
-            self._end(ChannelError(reason, runner_gone=True))
+            if not self._last_words:
+                raise _RelayKilled(f"the relay ended without a word (exit code {frame.exit_code}, "
+                                   f"signal {frame.signal})")
+            self._end(ChannelError(self._last_words, runner_gone=True))
             return True
         if kind != "data" or frame.seq is None or frame.seq <= self._reading.seq:
             return False  # a heartbeat, or replayed after a reconnect: taken already

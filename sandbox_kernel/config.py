@@ -259,5 +259,6 @@ async def open_client(settings: Settings, state: Path | None = None) -> SandboxC
         # The socket's path stays when the engine is restarted: a request that finds no
         # engine there starts one (which takes the sandboxes over) and goes again.
         return SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, endpoint.token, uds=endpoint.socket,
-                             transport=EngineRestarting(endpoint.socket, state, settings.engine_idle_timeout))
+                             transport=EngineRestarting(endpoint.socket, state, settings.engine_idle_timeout,
+                                                       endpoint.pid))
     return SandboxClient(endpoint.url, endpoint.token)

@@ -5,9 +5,9 @@ The kernel uploads this file into the sandbox and uses it in two roles:
 
 * ``runner.py serve DIR`` is a persistent daemon that owns the user's Python
   globals. It runs cells one at a time in its main thread (with IPython when
-  importable, with a small ast-based executor otherwise) and records every
-  output event of a cell, in memory and in ``DIR/cells/<cell_id>.ndjson``.
-* its clients are ``runner_client.py run|attach|request DIR B64`` (a separate,
+  importable, with a small ast-based executor otherwise) and keeps every output
+  event of a cell in memory, so a client can read them again from any seq.
+* its clients are ``runner_client.py run|request DIR B64`` (a separate,
   tiny file: it starts once per cell, see there), started through the sandbox's
   exec API (no stdin) for each cell or operation. They talk to the daemon over
   ``DIR/runner.sock`` and copy its answer, NDJSON, to stdout. B64 is base64 of
@@ -31,13 +31,10 @@ ipywidgets' Output widget captures the output of that id. An output event that a
 another request (a thread's chosen one, see ParentRequests) names it in ``parent``.
 One-shot ops ``usage`` and ``comm_info`` answer usage_request and comm_info_request.
 
-Forking: the one-shot op ``{"op": "fork", "join_pid": N | null, "dir": str | null}``
-forks the daemon with os.fork(). The child carries the user's live interpreter
-state, joins the namespaces of process ``join_pid`` (a new sandbox prepared by
-someone else) and/or serves at ``dir``, and becomes an independent daemon; the
-parent answers ``{"ok": true, "child_pid": P}`` once the child is ready. With
-``SANDBOX_FORKABLE_DIR`` set, every daemon registers itself there as
-``<pid>.json`` so the sandbox's agent can ask it to fork along (see Daemon._fork).
+Forking: the one-shot op ``fork`` forks the daemon into another sandbox, with the
+user's live state; runner_fork.py (uploaded next to this file) does it, asking the
+Daemon only to hand over and re-create its own state (Daemon.fork_locks, leave_parent,
+take_over).
 
 Must run on Python 3.8+.
 """
@@ -49,18 +46,14 @@ import os
 import socket
 import sys
 
-import runner_protocol as protocol  # uploaded next to this file (sandbox_kernel/runner_protocol.py)
+import runner_fork  # uploaded next to this file, as are the two below
+import runner_protocol as protocol  # sandbox_kernel/runner_protocol.py
 
 SOCKET_NAME = "runner.sock"
 READY_NAME = "ready"
-JOURNAL_DIR_NAME = "cells"
 NO_IPYTHON_ENV = "SANDBOX_KERNEL_RUNNER_NO_IPYTHON"
 FORKABLE_DIR_ENV = "SANDBOX_FORKABLE_DIR"
 LOG_NAME = "runner.log"  # where the kernel points the daemon's stdout/stderr (a forked child reopens it)
-FORK_READY_TIMEOUT = 30.0  # seconds a forked child has to report that it serves
-# Joined in this order: the user namespace first grants the capabilities for the others.
-FORK_NAMESPACES = ("user", "mnt", "uts", "ipc", "net")
-CAPABILITY_VERSION_3 = 0x20080522  # _LINUX_CAPABILITY_VERSION_3, for capset()
 FORK_ERROR_MESSAGE = "this cell was running when the sandbox was forked; it continues only in the original sandbox"
 MAX_CELLS = 200  # beyond this many cells the oldest finished ones are forgotten
 # Output floods (a cell printing without end): each cell may show this much output
@@ -109,7 +102,7 @@ def _import_daemon_modules() -> None:
     once ran this file too; runner_client.py is the client now)."""
     global ast, asyncio, builtins, codecs, collections, contextvars, getpass, importlib, inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
-    global tokenize, traceback, types, warnings
+    global tokenize, traceback, types
     import ast
     import asyncio
     import builtins
@@ -133,7 +126,6 @@ def _import_daemon_modules() -> None:
     import tokenize
     import traceback
     import types
-    import warnings
 
 
 def _json_default(value: object) -> object:
@@ -151,12 +143,12 @@ def _encode_line(obj: dict) -> bytes:
 class Cell:
     """One submitted cell and its events, which clients can (re)read from any seq.
 
-    Events are kept in memory (encoded) and appended to the cell's journal as
-    they are produced, so a client whose connection dropped can attach again
-    and get exactly the events it has not seen yet.
+    Events are kept in memory (encoded), so a client whose connection dropped can
+    send its `run` again with the last seq it saw and get exactly the events it has
+    not seen yet (the exec-per-cell transport's reconnect).
     """
 
-    def __init__(self, cell_id: str, code: str, silent: bool, store_history: bool, journal_path: str,
+    def __init__(self, cell_id: str, code: str, silent: bool, store_history: bool,
                  execution_count: int | None, budget: OutputBudget):
         self.cell_id = cell_id
         self.budget = budget  # how much more output it may show
@@ -166,7 +158,6 @@ class Cell:
         # The kernel's own count, when it numbers cells (magics it handles on the host
         # take numbers too); None lets the runner count.
         self.execution_count = execution_count
-        self.journal_path = journal_path
         # What the execute_request asked besides the code (set by the daemon when submitted).
         self.allow_stdin = True
         self.user_expressions: dict = {}
@@ -177,7 +168,6 @@ class Cell:
         self.finished = False
         self._lines: list[bytes] = []
         self._changed = threading.Condition()
-        self._journal = open(journal_path, "wb")
 
     def emit(self, type_: str, **fields: object) -> None:
         with self._changed:
@@ -185,11 +175,8 @@ class Cell:
             event.update(fields)
             line = _encode_line(event)
             self._lines.append(line)
-            self._journal.write(line)
-            self._journal.flush()
             if type_ == "done":
                 self.finished = True
-                self._journal.close()
             self._changed.notify_all()
 
     def read_after(self, after: int, deadline: float | None) -> tuple[list[bytes], bool]:
@@ -209,18 +196,9 @@ class Cell:
     def release(self) -> None:
         self._changed.release()
 
-    def move_after_fork(self, journal_path: str) -> None:
-        """In a forked child: new condition (its lock may have been held by a dead
-        thread), and an unfinished cell journals to the child's own file from now on
-        (the inherited file object is the parent's file; its buffer is empty, since
-        emit flushes and the forking thread held the condition across the fork)."""
+    def reset_after_fork(self) -> None:
+        """In a forked child: a new condition (its lock may have been held by a dead thread)."""
         self._changed = threading.Condition()
-        if not self.finished:
-            self._journal.close()
-            self._journal = open(journal_path, "wb")
-            self._journal.write(b"".join(self._lines))
-            self._journal.flush()
-        self.journal_path = journal_path
 
     def abort_after_fork(self) -> None:
         """In a forked child: the cell did not come along, end it for its clients."""
@@ -1535,11 +1513,10 @@ class Daemon:
     runs in and between cells, as under ipykernel."""
 
     def __init__(self, state_dir: str):
-        self._set_state_dir(state_dir)
+        self.set_state_dir(state_dir)
         self._cells: dict[str, Cell] = {}  # in submission order
         self._queue: queue.Queue[Cell] = queue.Queue()
         self._lock = threading.Lock()
-        self._fork_lock = threading.Lock()  # one fork at a time
         self._running: Cell | None = None
         self._main_thread = threading.get_ident()
         # The main thread's event loop, and how a submitted cell wakes it (_main_loop).
@@ -1547,17 +1524,16 @@ class Daemon:
         self._cell_queued: asyncio.Event | None = None
         self._server: socket.socket | None = None
         self._connections: set = set()  # open client connections (a forked child closes its copies)
-        self._registration_path: str | None = None
+        self.registration_path: str | None = None
         self._usage = UsageMeter()
 
-    def _set_state_dir(self, state_dir: str) -> None:
+    def set_state_dir(self, state_dir: str) -> None:
         self.state_dir = state_dir
         self.socket_path = os.path.join(state_dir, SOCKET_NAME)
         self.ready_path = os.path.join(state_dir, READY_NAME)
-        self.journal_dir = os.path.join(state_dir, JOURNAL_DIR_NAME)
 
     def serve_forever(self) -> None:
-        os.makedirs(self.journal_dir, mode=0o700, exist_ok=True)
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
         self.parents = ParentRequests()
         self.router = OutputRouter(FdCapture(), self.parents)
@@ -1662,10 +1638,10 @@ class Daemon:
         except OSError as exc:
             self.router.log("could not register in %s=%s: %s\n" % (FORKABLE_DIR_ENV, directory, exc))
             return
-        self._registration_path = path
+        self.registration_path = path
 
     def _exit(self) -> None:
-        for path in (self.ready_path, self.socket_path, self._registration_path):
+        for path in (self.ready_path, self.socket_path, self.registration_path):
             if path is None:
                 continue
             try:
@@ -1704,7 +1680,7 @@ class Daemon:
             self.parents.leave(parent)
             self.router.end()
             cell.emit("done", status="ok" if ok else "error", execution_count=count, **reply)
-            cell.code = ""  # the journal has what matters now
+            cell.code = ""  # its events have what matters now
 
     async def _run_user_code(self, cell: Cell, stored: bool, count: int) -> bool:
         self._start_running(cell)
@@ -1788,7 +1764,7 @@ class Daemon:
                     if op == protocol.CHANNEL:
                         Channel(self, connection).serve(reader, request)
                         return
-                if op in (protocol.RUN, protocol.ATTACH):
+                if op == protocol.RUN:
                     self._stream(connection, request)
                     return
                 connection.sendall(_encode_line(self._one_shot(op, request)))
@@ -1796,7 +1772,7 @@ class Daemon:
                     connection.close()
                     self._exit()
             except OSError:
-                pass  # the client went away; a later attach can resume
+                pass  # the client went away; its next run with `after` resumes
             except Exception as exc:  # a bad request: tell the client why
                 try:
                     connection.sendall(_encode_line({"error": "%s: %s" % (type(exc).__name__, exc)}))
@@ -1809,13 +1785,7 @@ class Daemon:
         # "wait": return after that many seconds even if the cell is not done (polling
         # clients, when the sandbox service cannot stream an exec's output).
         wait = request.get("wait")
-        if request[protocol.OP] == protocol.RUN:
-            cell = self._submit(request)
-        else:
-            cell = self._cells.get(_checked_cell_id(request.get("cell_id")))
-        if cell is None:
-            connection.sendall(_encode_line({"seq": after + 1, "type": "done", "status": "unknown"}))
-            return
+        cell = self._submit(request)
         deadline = None if wait is None else time.monotonic() + float(wait)
         while True:
             lines, finished = cell.read_after(after, deadline)
@@ -1835,7 +1805,6 @@ class Daemon:
                 code = request["code"] if "code" in request else _take_code_file(request["code_file"])
                 count = request.get("execution_count")
                 cell = Cell(cell_id, code, bool(request.get("silent")), bool(request.get("store_history", True)),
-                            os.path.join(self.journal_dir, cell_id + ".ndjson"),
                             count if isinstance(count, int) else None, OutputBudget.from_request(request))
                 cell.allow_stdin = bool(request.get("allow_stdin", True))
                 cell.comm = comm_message
@@ -1858,10 +1827,6 @@ class Daemon:
         excess = len(self._cells) - MAX_CELLS
         for old in [cell for cell in self._cells.values() if cell.finished][:max(excess, 0)]:
             del self._cells[old.cell_id]
-            try:
-                os.remove(old.journal_path)
-            except OSError:
-                pass
 
     def _one_shot(self, op: object, request: dict) -> dict:
         if op == protocol.INTERRUPT:
@@ -1883,7 +1848,7 @@ class Daemon:
         if op == protocol.COMM_INFO:
             return {"comms": self.comms.info(request.get("target_name"))}
         if op == protocol.FORK:
-            return self._fork(request)
+            return runner_fork.fork(self, request)
         raise ValueError("unknown op %r" % (op,))
 
     def _interrupt(self) -> str | None:
@@ -1894,133 +1859,16 @@ class Daemon:
                 signal.pthread_kill(self._main_thread, signal.SIGINT)
         return running.cell_id if running is not None else None
 
-    # --- fork (socket thread in the parent; the child's only thread)
+    # --- fork (runner_fork.py drives it; these are what it asks of the daemon)
 
-    def _fork(self, request: dict) -> dict:
-        """Fork this daemon into a new sandbox; see the module docstring.
+    def fork_locks(self) -> list:
+        """The locks held around os.fork(), in the order the other threads take them:
+        the daemon's, the router's, then the unfinished cells'."""
+        locks = [(self._lock.acquire, self._lock.release), (self.router.hold, self.router.release)]
+        return locks + [(cell.hold, cell.release) for cell in self._cells.values() if not cell.finished]
 
-        Allowed at any time (the engine pauses the sandbox mid-anything): a cell
-        that is running or queued stays with the parent; the child ends it with a
-        ForkError for its clients. Answers once the child serves, or failed.
-        """
-        join_pid = request.get("join_pid")
-        if join_pid is not None and (not isinstance(join_pid, int) or isinstance(join_pid, bool) or join_pid <= 0):
-            raise ValueError("join_pid must be a pid or null")
-        new_dir = request.get("dir")
-        if new_dir is not None and (not isinstance(new_dir, str) or not new_dir):
-            raise ValueError("dir must be a path or null")
-        if join_pid is None and new_dir is None:
-            raise ValueError("fork needs join_pid or dir: the child cannot serve at this daemon's DIR")
-        env = request.get("env") or {}  # what the local agent sends along for the new sandbox
-        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise ValueError("env must map strings to strings")
-        new_dir = os.path.abspath(new_dir) if new_dir is not None else None
-        with self._fork_lock:
-            read_fd, write_fd = os.pipe()
-            try:
-                pid = self._fork_consistently()
-            except BaseException:
-                os.close(read_fd)
-                os.close(write_fd)
-                raise
-            if pid == 0:
-                os.close(read_fd)
-                self._become_fork(write_fd, join_pid, new_dir, env)  # never returns
-            os.close(write_fd)
-            return self._await_fork(pid, read_fd)
-
-    def _fork_consistently(self) -> int:
-        """os.fork() holding the daemon's own locks, so that no other thread is
-        half-way through changing what they protect (the child replaces them all).
-        Order: the daemon's, the router's, then the cells' (as the other threads take them)."""
-        releases = []
-        try:
-            self._lock.acquire()
-            releases.append(self._lock.release)
-            self.router.hold()
-            releases.append(self.router.release)
-            for cell in [cell for cell in self._cells.values() if not cell.finished]:
-                cell.hold()
-                releases.append(cell.release)
-            with warnings.catch_warnings():
-                # 3.12+ warns that the process has threads: written to sys.stderr, that
-                # would need the router's lock, which this thread holds.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-        except BaseException:
-            for release in reversed(releases):
-                release()
-            raise
-        if pid != 0:
-            for release in reversed(releases):
-                release()
-        return pid
-
-    def _await_fork(self, pid: int, read_fd: int) -> dict:
-        """Parent: wait for the child's one-line report; never leave a half-born child."""
-        deadline = time.monotonic() + FORK_READY_TIMEOUT
-        poller = select.poll()
-        poller.register(read_fd, select.POLLIN)
-        data = b""
-        try:
-            while b"\n" not in data:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                if poller.poll(min(remaining, 1.0) * 1000):
-                    chunk = os.read(read_fd, 4096)
-                    if not chunk:
-                        break
-                    data += chunk
-        finally:
-            os.close(read_fd)
-        try:
-            report = json.loads(data.split(b"\n", 1)[0]) if b"\n" in data else None
-        except ValueError:
-            report = None
-        if isinstance(report, dict) and report.get("ok") is True:
-            threading.Thread(target=_reap, args=(pid,), name="reap-%d" % pid, daemon=True).start()
-            return {"ok": True, "child_pid": pid}
-        if isinstance(report, dict) and report.get("error"):
-            error = str(report["error"])
-        elif b"\n" not in data and time.monotonic() >= deadline:
-            error = "the forked child did not get ready within %gs" % FORK_READY_TIMEOUT
-        else:
-            error = "the forked child exited before it was ready"
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-        _reap(pid)
-        return {"ok": False, "error": error}
-
-    def _become_fork(self, ready_fd: int, join_pid: int | None, new_dir: str | None, env: dict) -> None:
-        """Child: set up, report to the parent, then be the daemon. Never returns
-        (this thread's stack is the parent's socket handler's)."""
-        try:
-            try:
-                self._setup_fork(join_pid, new_dir, env)
-            except BaseException as exc:
-                _write_all(ready_fd, _encode_line({"ok": False, "error": "%s: %s" % (type(exc).__name__, exc)}))
-                os._exit(1)
-            _write_all(ready_fd, _encode_line({"ok": True}))
-            os.close(ready_fd)
-            self._main_loop()
-        except BaseException:
-            try:
-                self.router.log("the forked daemon failed:\n" + traceback.format_exc())
-            except BaseException:
-                pass
-        finally:
-            os._exit(1)
-
-    def _setup_fork(self, join_pid: int | None, new_dir: str | None, env: dict) -> None:
-        """Child: re-create everything tied to the parent's threads, locks and fds.
-
-        Single-threaded until the router's threads start (joining a user
-        namespace requires it). Python made this thread the main thread, which
-        gets the signals, so it runs the cells and is the interrupt target.
-        """
+    def leave_parent(self) -> None:
+        """Fork child: this thread is the main thread now; the parent's sockets are not ours."""
         self._main_thread = threading.get_ident()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # between cells
         for connection in list(self._connections):  # the parent's clients (and the fork request)
@@ -2029,27 +1877,11 @@ class Daemon:
         if self._server is not None:
             _close_socket(self._server)
             self._server = None
-        parent_dir = _stat_or_none(self.state_dir)
-        parent_registration = self._registration_path
-        registration_dir = _stat_or_none(os.path.dirname(parent_registration)) if parent_registration else None
-        self._registration_path = None
 
-        if join_pid is not None:
-            _join_namespaces(join_pid)
-            if hasattr(platform, "_uname_cache"):
-                platform._uname_cache = None  # the hostname may have changed
-        os.environ.update(env)
-        if new_dir is not None:
-            self._set_state_dir(new_dir)
-        if _same_file(parent_dir, _stat_or_none(self.state_dir)):
-            raise RuntimeError("%s is the original daemon's own directory here; fork with a dir" % self.state_dir)
-        # After joining: stale copies of the parent's files (the preparer copied them).
-        _remove_if_exists(self.socket_path)
-        _remove_if_exists(self.ready_path)
-        if parent_registration and not _same_file(registration_dir,
-                                                  _stat_or_none(os.path.dirname(parent_registration))):
-            _remove_if_exists(parent_registration)
-        os.makedirs(self.journal_dir, mode=0o700, exist_ok=True)
+    def take_over(self) -> None:
+        """Fork child, in the new sandbox: re-create everything tied to the parent's
+        threads, locks and fds, then serve (ready file and registration last)."""
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
 
         # Output: fds 1 and 2 still point into the parent's pipes, the log fds at its log.
@@ -2061,7 +1893,7 @@ class Daemon:
         running = self.router.current_cell
         unfinished = []
         for cell in self._cells.values():
-            cell.move_after_fork(os.path.join(self.journal_dir, cell.cell_id + ".ndjson"))
+            cell.reset_after_fork()
             if not cell.finished:
                 unfinished.append(cell)
         if running is not None:
@@ -2074,13 +1906,18 @@ class Daemon:
         self._cell_queued = None  # the parent's; _main_loop makes the child's
         self._loop = asyncio.new_event_loop()  # the parent's loop holds the parent's tasks
         self._lock = threading.Lock()
-        self._fork_lock = threading.Lock()
         self._running = None
         self.inputs.reset_after_fork()
         self.engine.reset_after_fork()
 
         self.router.start_threads()
-        self._start_serving()  # ready file and registration last: the child accepts by then
+        self._start_serving()
+
+    def serve_cells(self) -> None:
+        self._main_loop()
+
+    def log(self, text: str) -> None:
+        self.router.log(text)
 
 
 class UsageMeter:
@@ -2165,113 +2002,6 @@ def _meminfo() -> dict:
     return found
 
 
-def _open_regular_files() -> list:
-    """(fd, path, flags, offset) of every open regular file, read before leaving the
-    source sandbox's mount namespace."""
-    import stat
-
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        try:
-            path = os.readlink("/proc/self/fd/%d" % fd)
-            if not stat.S_ISREG(os.fstat(fd).st_mode) or not path.startswith("/") or path.endswith(" (deleted)"):
-                continue
-            with open("/proc/self/fdinfo/%d" % fd) as info:
-                flags = next(int(line.split()[1], 8) for line in info if line.startswith("flags:"))
-            found.append((fd, path, flags, os.lseek(fd, 0, os.SEEK_CUR)))
-        except (OSError, StopIteration, ValueError):
-            continue
-    return found
-
-
-def _reopen_in_this_mount_namespace(open_files: list) -> None:
-    """Point inherited file descriptors at the new sandbox's copy of their file.
-
-    A descriptor names an inode, not a path: without this, a file object the user
-    opened before the fork would keep writing into the original sandbox's file. Files
-    both sandboxes share read-only (/usr, the Python environment) stay as they are.
-    """
-    for fd, path, flags, offset in open_files:
-        try:
-            fresh = os.open(path, flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC | os.O_CLOEXEC))
-        except OSError:
-            continue  # not in the copy (e.g. a deleted or unreachable file): keep the original
-        try:
-            if _same_file(os.fstat(fresh), os.fstat(fd)):
-                continue
-            os.lseek(fresh, offset, os.SEEK_SET)
-            os.dup2(fresh, fd, inheritable=not flags & os.O_CLOEXEC)
-        finally:
-            os.close(fresh)
-
-
-def _join_namespaces(pid: int) -> None:
-    """setns() into pid's namespaces (FORK_NAMESPACES order), skipping those we are in.
-
-    All are opened first: once in the new mount namespace, /proc may be another one.
-    """
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)  # the interpreter's libc (os.setns is 3.12+)
-    try:
-        cwd = os.getcwd()
-    except OSError:
-        cwd = "/"
-    targets = []
-    open_files = _open_regular_files()
-    try:
-        for name in FORK_NAMESPACES:
-            path = "/proc/%d/ns/%s" % (pid, name)
-            fd = os.open(path, os.O_RDONLY)
-            targets.append((name, fd))
-            if _same_file(os.fstat(fd), _stat_or_none("/proc/self/ns/" + name)):
-                targets[-1] = (name, -1)  # already there (joining one's own user namespace fails)
-                os.close(fd)
-        for name, fd in targets:
-            if fd < 0:
-                continue
-            if libc.setns(fd, 0) != 0:
-                error = ctypes.get_errno()
-                raise OSError(error, "setns to the %s namespace of pid %d: %s" % (name, pid, os.strerror(error)))
-            if name == "mnt":  # setns reset the root and cwd
-                try:
-                    os.chdir(cwd)
-                except OSError:
-                    os.chdir("/")
-                _reopen_in_this_mount_namespace(open_files)
-        _drop_capabilities(libc)
-    finally:
-        for _, fd in targets:
-            if fd >= 0:
-                os.close(fd)
-
-
-def _drop_capabilities(libc) -> None:
-    """Give up the capabilities that joining the fork's user namespace granted.
-
-    setns() into a user namespace gives the caller every capability in it. Cell code of
-    the forked runner must not keep them: it could remount the fork's read-only agent
-    directory and impersonate its agent. Our uid is not 0 there, so nothing that is
-    executed later gets them back. Capabilities are per thread; a process that may
-    setns() into a user namespace has only one.
-    """
-    import ctypes
-
-    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)  # this thread
-    no_capabilities = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable (x2 words)
-    if libc.capset(header, no_capabilities) != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, "dropping capabilities in the fork: %s" % os.strerror(error))
-
-
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
-
-
 def _close_socket(sock: socket.socket) -> None:
     """Close our fd of a socket whatever its state (a makefile may still refer to it)."""
     try:
@@ -2279,24 +2009,6 @@ def _close_socket(sock: socket.socket) -> None:
         if fd >= 0:
             os.close(fd)
     except OSError:
-        pass
-
-
-def _stat_or_none(path: str) -> os.stat_result | None:
-    try:
-        return os.stat(path)
-    except OSError:
-        return None
-
-
-def _same_file(first: os.stat_result | None, second: os.stat_result | None) -> bool:
-    return first is not None and second is not None and (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
-
-
-def _remove_if_exists(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
         pass
 
 

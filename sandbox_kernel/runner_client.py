@@ -1,6 +1,6 @@
 """The runner's light client: hands requests to the runner daemon and relays its answers.
 
-    python3 -I -S runner_client.py run|attach|request DIR B64JSON
+    python3 -I -S runner_client.py run|request DIR B64JSON
     python3 -I -S runner_client.py channel DIR [BACKGROUND_AFTER]
 
 `channel` is the relay of the kernel's duplex channel (sandbox_kernel/channel.py): started
@@ -35,8 +35,8 @@ import sys
 
 # Words of runner_protocol.py, spelled here: this file imports built-in modules only.
 SOCKET_NAME = "runner.sock"  # as in runner.py
-COMMANDS = ("run", "attach", "request")
-USAGE = b"usage: runner_client.py run|attach|request DIR B64JSON | channel DIR [BACKGROUND_AFTER]\n"
+COMMANDS = ("run", "request")
+USAGE = b"usage: runner_client.py run|request DIR B64JSON | channel DIR [BACKGROUND_AFTER]\n"
 # Under the local engine's 1 MiB retained window per process, with room for its per-chunk cost.
 CHANNEL_WINDOW = 768 * 1024
 ACK_PREFIX = b'{"ack": '

@@ -16,8 +16,8 @@ the runner refuses is answered by ``{"error": ...}`` with its ``ID`` or ``CELL_I
 # Request ops
 RUN = "run"  # a cell: code (or code_file), cell_id, silent, store_history, execution_count, output
 # limits, allow_stdin, user_expressions, or comm (a frontend's comm message to deliver instead of code),
-# parent_msg_id (the frontend request it answers: ipywidgets' Output widget captures by it)
-ATTACH = "attach"  # follow a cell already submitted (exec-per-cell clients)
+# parent_msg_id (the frontend request it answers: ipywidgets' Output widget captures by it); a run of a
+# cell already submitted only follows it, from `after` (the exec-per-cell transport's reconnect)
 INTERRUPT = "interrupt"
 INPUT = "input"  # the answer to an input_request: cell_id, value, eof
 COMPLETE = "complete"

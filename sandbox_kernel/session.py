@@ -5,16 +5,13 @@ process or file of the sandbox directly, so the same code drives CreateOS and th
 engine. The runner (runner.py) is uploaded at start and run as a daemon holding the
 user's globals. The kernel talks to it over one duplex channel (channel.py: a managed
 process relaying requests and events) where the provider has managed processes; where
-it has not (decided once, at the first start), each cell is one streaming exec of the
-runner's light client, `runner_client.py run`, whose stdout is the cell's NDJSON events.
-If that stream drops, `run` is sent again with the last event seen, and the runner
-resumes the same cell from there, so nothing is lost or repeated.
+it has not (decided once, at the first start), by one exec per request
+(exec_transport.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import logging
@@ -26,8 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from .api import (
-    APITransportError,
-    BoundedLines,
     ConflictError,
     CreateSandboxRequest,
     EgressView,
@@ -35,17 +30,15 @@ from .api import (
     ExecResult,
     ForkSandboxRequest,
     NotFoundError,
-    OversizedLine,
     PatchSandboxRequest,
-    ProtocolError,
     SandboxAPIError,
     SandboxClient,
     SandboxStatus,
     SandboxView,
-    ServerError,
 )
 from . import names, ownership, pool, runner_protocol as protocol, shutdown_policy
 from .channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxProcesses
+from .exec_transport import ExecFailed, ExecTransport, RunnerGone, encode_arg
 from .config import Settings, open_client
 from .cost import Cost, Meter
 
@@ -54,28 +47,18 @@ log = logging.getLogger("sandbox_kernel.session")
 RUNNER_DIR = "/tmp/sandbox-kernel"
 RUNNER_PATH = f"{RUNNER_DIR}/runner.py"
 RUNNER_CLIENT_PATH = f"{RUNNER_DIR}/runner_client.py"
-# Uploaded at every runner start: the daemon, its protocol module and its light client.
+# Uploaded at every runner start: the daemon, its fork and protocol modules, its light client.
 RUNNER_FILES = {f"{RUNNER_DIR}/{name}": Path(__file__).with_name(name)
-                for name in ("runner.py", "runner_protocol.py", "runner_client.py")}
+                for name in ("runner.py", "runner_fork.py", "runner_protocol.py", "runner_client.py")}
 SANDBOX_PYTHON = "python3"
 # Keep each exec argument well under Linux's 128 KiB per-argument limit.
 MAX_INLINE_CODE = 64 * 1024
 RUNNER_READY_TIMEOUT = 30.0
 READY_PROBE = 2.0  # seconds one readiness exec may wait in the sandbox
 NOT_READY_YET = 3  # its exit status when the runner is still starting
-RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
-# Without streaming exec, each buffered exec returns a cell's new events after at most this.
-POLL_WAIT = 1.0
-# A gateway in front of CreateOS that answers a held streaming exec with one of these will
-# do so again: follow cells by polling instead. Streams that drop this many times in a row
-# without new output are given up on the same way.
-GATEWAY_GAVE_UP = (502, 504)
-STREAM_DROPS_BEFORE_POLLING = 2
-CLIENT_FAILURES_BEFORE_GIVING_UP = 3
 # The runner's events are lines on its client's stdout, which code in the sandbox can
 # replace: a line longer than the cell's output limit plus this is dropped, never held.
 EVENT_LINE_SLACK = 1024 * 1024
-STDERR_TAIL = 4096  # of the runner client's stderr, kept for its last words
 
 # A fork made from a notebook pauses after this long idle unless the kernel sets its own
 # auto-pause: a forgotten fork then costs only its memory and disk.
@@ -90,37 +73,16 @@ POLL_FIRST, POLL_MAX, TRANSITION_BUDGET = 0.02, 2.0, 900.0
 
 EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
 Progress = Callable[[str], None]
-# Failures of a single exec connection that a reconnect can repair.
-RECOVERABLE = (APITransportError, ProtocolError, ServerError)
-# A sandbox in one of these states has no runner and never will again.
-SANDBOX_GONE = (SandboxStatus.DESTROYING, SandboxStatus.DESTROYED, SandboxStatus.ERROR, SandboxStatus.FAILED)
 
 
 class SessionError(Exception):
     """Something the notebook user should read as one line."""
 
 
-class RunnerGone(SessionError):
-    """The runner daemon died (mid-cell or before it): its client answered {"error": ...}."""
-
-
-class StreamingUnavailable(Exception):
-    """The sandbox service cannot stream exec output (CreateOS: 404, or an `error` frame)."""
-
-
-def encode_arg(message: dict[str, Any]) -> str:
-    return base64.b64encode(json.dumps(message).encode()).decode()
-
-
 def runner_client(*args: str) -> list[str]:
     """Arguments of a short-lived runner client: runner_client.py, which starts in a bare
     interpreter's time (no site-packages, only built-in modules), once per cell."""
     return ["-I", "-S", RUNNER_CLIENT_PATH, *args]
-
-
-def runner_failed(output: str) -> SessionError:
-    return SessionError("the Python runner in the sandbox failed: "
-                        + (output.strip().splitlines() or ["no output"])[-1])
 
 
 class SandboxSession:
@@ -130,9 +92,9 @@ class SandboxSession:
         self.sandbox_id: str | None = None
         self.runner_info: dict[str, Any] = {}
         self.boot_seconds: float | None = None
-        # Streaming exec is the fast path; some CreateOS versions lack it, then cells are
-        # followed by polling the runner's journal with short buffered execs.
-        self.streaming = True
+        # The transport where the provider has no managed processes (exec_transport.py).
+        self.execs = ExecTransport(SANDBOX_PYTHON, lambda command, arg: runner_client(command, RUNNER_DIR, arg),
+                                   settings.output_limit + EVENT_LINE_SLACK)
         # What shutdown does to every sandbox this kernel owns (ownership.py); a sandbox
         # it only attached to is its owner's business.
         self.on_shutdown = "destroy"
@@ -153,6 +115,11 @@ class SandboxSession:
         # open a channel the closing session would leave reading on a closed client.
         self.closing = False
         self.use_channel: bool | None = None
+        self.channel_sandbox = ""  # the sandbox the channel's relay runs in
+        # Relays of ours left in paused sandboxes (a paused sandbox refuses the kill: a fork
+        # switched to, another sandbox attached): ended when this kernel resumes their
+        # sandbox, so that switching back and forth does not pile them up to the pids limit.
+        self.relays_to_end: dict[str, list[RunnerChannel]] = {}
         self.open_channels = True  # False for a warm pool member: its kernel opens one later
         # Output the runner sends between cells (a background thread's print): the kernel
         # shows it on the last cell's parent.
@@ -344,9 +311,10 @@ class SandboxSession:
             self.use_channel = False
             return
         self.use_channel = True
-        old, self.channel = self.channel, channel
-        if old is not None:
-            await old.close()
+        old, old_sandbox = self.channel, self.channel_sandbox
+        self.channel, self.channel_sandbox = channel, sandbox_id
+        if old is not None and not await old.close():
+            self.relays_to_end.setdefault(old_sandbox, []).append(old)
 
     async def _background_event(self, event: dict[str, Any]) -> None:
         if self.on_background is not None:
@@ -415,7 +383,10 @@ class SandboxSession:
     async def resume(self, progress: Progress | None = None) -> SandboxView:
         client, sandbox_id = self._require()
         await client.resume_sandbox(sandbox_id)
-        return await self._settle(sandbox_id, SandboxStatus.RUNNING, progress)
+        view = await self._settle(sandbox_id, SandboxStatus.RUNNING, progress)
+        for relay in self.relays_to_end.pop(sandbox_id, []):
+            await relay.close()
+        return view
 
     async def fork(self, name: str | None = None, progress: Progress | None = None,
                    on_pause: Progress | None = None) -> SandboxView:
@@ -531,50 +502,22 @@ class SandboxSession:
                 return await self.channel.run_cell(cell_id, request, on_event)
             except ChannelError as exc:
                 if exc.runner_gone:
-                    raise await self._runner_died(RunnerGone(str(exc))) from None
+                    raise await self._runner_died(exc) from None
                 raise SessionError(str(exc)) from None
-        stream = _EventStream(on_event, self.settings.output_limit + EVENT_LINE_SLACK)
-        done = await self._follow(stream, request)
-        failures = 0
-        while done is None:
-            if stream.broken:  # a dropped or failed exec: try again, a bounded number of times
-                if failures == len(RECONNECT_DELAYS):
-                    raise SessionError("lost the connection to the sandbox while a cell was running; "
-                                       "its output so far is shown above")
-                if self.streaming and failures + 1 >= STREAM_DROPS_BEFORE_POLLING:
-                    log.warning("exec streams keep dropping with no new output: following cells by polling")
-                    self.streaming = False
-                await asyncio.sleep(RECONNECT_DELAYS[failures])
-                failures += 1
-            progress = stream.last_seq
-            # "run" again rather than "attach": the runner knows the cell by its id, so a
-            # run that did reach it is only followed, and one lost on the way (a gateway
-            # answering 502 before forwarding) is started now instead of reported unknown.
-            done = await self._follow(stream, {**request, "after": stream.last_seq})
-            if stream.last_seq > progress:
-                failures = 0
-        return done
-
-    async def _follow(self, stream: _EventStream, request: dict[str, Any]) -> dict[str, Any] | None:
-        """One exec of `runner_client.py run`: streamed if the service can, else one poll."""
         try:
-            if self.streaming:
-                try:
-                    return await stream.follow(self, ["run", RUNNER_DIR, encode_arg({**request, "wait": None})])
-                except StreamingUnavailable as exc:
-                    log.warning("streaming exec unavailable (%s): following cells by polling", exc)
-                    self.streaming = False
-            return await stream.poll(self, ["run", RUNNER_DIR, encode_arg({**request, "wait": POLL_WAIT})])
+            return await self.execs.run_cell(client, sandbox_id, request, on_event)
         except RunnerGone as exc:
             raise await self._runner_died(exc) from None
+        except ExecFailed as exc:
+            raise SessionError(str(exc)) from None
 
-    async def _runner_died(self, exc: RunnerGone) -> SessionError:
+    async def _runner_died(self, exc: Exception) -> SessionError:
         """Start a fresh runner, so the next cell works, and say why the old one died
         (the memory limit, if the sandbox's OOM kill count went up) and what was lost."""
         log.warning("the runner died: %s", exc)
         seen = self.oom_kills.get(self.sandbox_id or "", 0)
         view = await self.view()
-        if view.status in SANDBOX_GONE:  # no runner can start there: say so, every cell
+        if view.status.is_gone:  # no runner can start there: say so, every cell
             return SessionError(f"the sandbox {view.id} is {view.status}: its Python and its files are gone; "
                                 "start a new kernel for a new sandbox, or `%sandbox attach ID|NAME` another")
         try:
@@ -593,7 +536,7 @@ class SandboxSession:
         if channel is None or channel.alive or self.closing:
             return
         if channel.failure is not None and channel.failure.runner_gone:
-            raise await self._runner_died(RunnerGone(str(channel.failure)))
+            raise await self._runner_died(channel.failure)
         await self._open_channel(channel.background_seq)  # only the connection was lost
 
     async def runner_request(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -620,12 +563,10 @@ class SandboxSession:
     async def _exec_request(self, message: dict[str, Any]) -> dict[str, Any]:
         """A runner request by one exec of its light client (no channel needed)."""
         client, sandbox_id = self._require()
-        response = await client.exec(sandbox_id, SANDBOX_PYTHON,
-                                     runner_client("request", RUNNER_DIR, encode_arg(message)))
-        lines = response.result.stdout.strip().splitlines()
-        if not lines:
-            raise SessionError("the Python runner in the sandbox is not answering")
-        return json.loads(lines[-1])
+        try:
+            return await self.execs.request(client, sandbox_id, message)
+        except ExecFailed as exc:
+            raise SessionError(str(exc)) from None
 
     async def interrupt(self) -> None:
         await self._send({protocol.OP: protocol.INTERRUPT})
@@ -683,108 +624,3 @@ class SandboxSession:
             await self.channel.close(kill=kill)
             self.channel = None
 
-
-class _EventStream:
-    """Reads one exec's NDJSON events, skipping any already delivered (by seq)."""
-
-    def __init__(self, on_event: EventHandler, line_limit: int) -> None:
-        self.on_event = on_event
-        self.line_limit = line_limit
-        self.last_seq = 0
-        self.broken = False  # did the last exec fail (rather than end or time out)?
-        self.client_failures = 0  # runner clients that failed in a row
-
-    async def follow(self, session: SandboxSession, runner_args: list[str]) -> dict[str, Any] | None:
-        """Deliver new events until `done` (returned) or the stream breaks (None)."""
-        client, sandbox_id = session._require()
-        lines = BoundedLines(self.line_limit)
-        stderr = ""
-        seen_output = False
-        self.broken = True
-        try:
-            async with client.exec_stream(sandbox_id, SANDBOX_PYTHON,
-                                          runner_client(*runner_args)) as frames:
-                async for frame in frames:
-                    if frame.stderr:
-                        stderr = (stderr + frame.stderr)[-STDERR_TAIL:]
-                    if frame.error:
-                        if not seen_output:  # the command never ran: the service cannot stream
-                            raise StreamingUnavailable(f"error frame: {frame.error}")
-                        log.warning("exec stream error frame: %s", frame.error)
-                        return None
-                    if frame.stdout:
-                        seen_output = True
-                        for line in lines.feed(frame.stdout):
-                            done = await self._deliver(line)
-                            if done is not None:
-                                return done
-                    if frame.exit_code not in (None, 0):
-                        self._client_failed(stderr)
-                        return None
-                return await self._deliver(lines.close())  # an unfinished last line, if any
-        except NotFoundError as exc:
-            await session.view()  # raises NotFoundError itself if the sandbox is gone
-            raise StreamingUnavailable(str(exc)) from None
-        except ServerError as exc:
-            if exc.status_code in GATEWAY_GAVE_UP and not seen_output:
-                raise StreamingUnavailable(f"HTTP {exc.status_code} on a long-held exec") from None
-            log.warning("exec stream failed after seq %d: %s", self.last_seq, exc)
-        except RECOVERABLE as exc:
-            log.warning("exec stream dropped after seq %d: %s", self.last_seq, exc)
-        return None
-
-    async def poll(self, session: SandboxSession, runner_args: list[str]) -> dict[str, Any] | None:
-        """One buffered exec: deliver the events it returns; `done` if the cell finished."""
-        client, sandbox_id = session._require()
-        self.broken = True
-        try:
-            response = await client.exec(sandbox_id, SANDBOX_PYTHON, runner_client(*runner_args))
-        except RECOVERABLE as exc:
-            log.warning("exec poll failed after seq %d: %s", self.last_seq, exc)
-            return None
-        result = response.result
-        if result.exit_code != 0:
-            for line in result.stdout.split("\n"):
-                await self._deliver(line)  # raises RunnerGone at the client's error line
-            self._client_failed(result.error or result.stderr)
-            return None
-        self.broken = False
-        for line in result.stdout.split("\n"):
-            done = await self._deliver(line)
-            if done is not None:
-                return done
-        return None
-
-    def _client_failed(self, stderr: str) -> None:
-        """The runner client ended without a word: killed (the OOM killer) or never started
-        (no process could be made at the pids limit). Like a dropped stream it is tried
-        again, and a runner that died meanwhile is then reported as such; one that keeps
-        failing is reported with its last words."""
-        log.warning("the runner client failed after seq %d: %s", self.last_seq, stderr.strip()[-500:])
-        self.client_failures += 1
-        if self.client_failures >= CLIENT_FAILURES_BEFORE_GIVING_UP:
-            raise runner_failed(stderr)
-
-    async def _deliver(self, line: str | OversizedLine) -> dict[str, Any] | None:
-        if isinstance(line, OversizedLine):
-            await self.on_event({"type": "stream", "name": "stderr", "text": (
-                f"[sandbox-kernel] dropped a line of {line.size / 2**20:.1f} MiB from the sandbox: "
-                f"longer than the {self.line_limit / 2**20:g} MiB a runner event may be\n")})
-            return None
-        if not line.strip():
-            return None
-        try:
-            event = json.loads(line)
-        except ValueError:  # cut off: the runner died while sending it (its client says so next)
-            log.warning("skipped a partial event line from the runner")
-            return None
-        if protocol.SEQ not in event:  # the runner's client: {"error": ...}
-            raise RunnerGone(str(event.get("error") or event))
-        if event[protocol.SEQ] <= self.last_seq:
-            return None  # replayed by attach: already delivered
-        self.last_seq = event[protocol.SEQ]
-        self.client_failures = 0
-        if event[protocol.TYPE] == protocol.DONE:
-            return event
-        await self.on_event(event)
-        return None

@@ -54,6 +54,35 @@ def test_output_between_cells_arrives_on_the_parent_of_the_cell_that_started_it(
         assert "threading" in kc.complete("thre", 4, reply=True, timeout=60)["content"]["matches"]
 
 
+RELAYS = """
+import os, signal, time
+def relays():
+    \"\"\"Pids of the channel's relays (runner_client.py channel) alive in this sandbox.\"\"\"
+    found = []
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')
+            state = open(f'/proc/{pid}/stat', 'rb').read().rsplit(b')', 1)[1].split()[0]
+        except OSError:
+            continue
+        if any(arg.endswith(b'runner_client.py') for arg in argv) and b'channel' in argv and state != b'Z':
+            found.append(int(pid))
+    return found
+"""
+
+
+def test_a_relay_killed_from_a_cell_is_replaced_and_the_runner_kept(kernelspec: str) -> None:
+    with running_kernel(kernelspec) as (_, kc):
+        assert execute(kc, RELAYS + "x = 41\nprint(len(relays()))").text() == "1\n"
+        killed = execute(kc, "old = relays()\nfor pid in old:\n    os.kill(pid, signal.SIGKILL)\n"
+                             "while set(old) & set(relays()):\n    time.sleep(0.01)\n"
+                             "print('killed', len(old), flush=True)\ntime.sleep(0.5)\nprint('after', x + 1)")
+        assert killed.reply["content"]["status"] == "ok", killed.text("stderr")
+        assert killed.text() == "killed 1\nafter 42\n", "the cell's output after the kill came through a new relay"
+        now = execute(kc, "new = relays()\nprint(len(new), set(new) & set(old), x)")
+        assert now.text() == "1 set() 41\n", "one new relay; the runner and its variables are the same"
+
+
 def test_output_of_a_thread_during_the_next_cell_belongs_to_that_cell(kernelspec: str) -> None:
     with running_kernel(kernelspec) as (_, kc):
         execute(kc, "import threading, time\n"

@@ -39,6 +39,8 @@ class ScriptedProcess:
         self.connect_fails = 0  # the next this many connects fail at once
         self.sandbox_status = "running"  # another status: connects are refused (409)
         self.status_fails = 0  # the next this many reads of the sandbox's status fail at once
+        self.relays: list[list[str]] = []  # the arguments of every relay started
+        self.killed_at_start = 0  # the next this many relays are killed before they write
         self._changed = asyncio.Condition()
 
     async def write(self, data: bytes) -> None:
@@ -61,7 +63,15 @@ class ScriptedProcess:
     # -- ProcessTransport
 
     async def create(self, args: list[str]) -> str:
-        return "proc-1"
+        """A relay; a new one (after a kill) starts with an output of its own."""
+        self.relays.append(args)
+        if len(self.relays) > 1:
+            async with self._changed:
+                self.output, self.exit_frame = [], None
+        if self.killed_at_start:
+            self.killed_at_start -= 1
+            self.exit_frame = {"type": "exit", "seq": 0, "signal": "SIGKILL"}
+        return f"proc-{len(self.relays)}"
 
     @contextlib.asynccontextmanager
     async def connect(self, process_id: str, after: int) -> AsyncIterator[AsyncIterator[ProcessFrame]]:
@@ -251,6 +261,43 @@ async def test_the_relay_ending_fails_the_cell_with_its_last_words() -> None:
         await cell
     assert failure.value.runner_gone and str(failure.value) == "the runner daemon closed the channel"
     assert not channel.alive
+
+
+async def test_a_relay_killed_mid_cell_is_replaced_and_the_cell_goes_on() -> None:
+    """`pkill -f runner_client` in a cell: its daemon lives on, so does the cell."""
+    def respond(request: dict[str, Any]) -> list[dict[str, Any]]:
+        after = request.get("after", 0)
+        events = [{"cell": "c1", "seq": i, "type": "stream", "name": "stdout", "text": f"{i}\n"}
+                  for i in range(after + 1, 6 if after else 3)]  # the first relay is killed after 2 events
+        return events + ([{"cell": "c1", "seq": 6, "type": "done", "status": "ok"}] if after else [])
+
+    process, recorder = ScriptedProcess(respond), Recorder()
+    channel = await open_channel(process, recorder)
+    channel.background_seq = 7  # between-cell output seen so far: the new relay follows on from it
+    cell = asyncio.ensure_future(run(channel, recorder))
+    while len(recorder.events) < 2:
+        await asyncio.sleep(0.01)
+    await process.exit(b"", exit_code=None, signal="SIGKILL")
+    done = await cell
+    assert done["status"] == "ok" and recorder.text() == "1\n2\n3\n4\n5\n"
+    assert process.relays == [["channel", "0"], ["channel", "7"]]
+    runs = [json.loads(line) for line in process.sent if b'"run"' in line]
+    assert [r.get("after") for r in runs] == [None, 2] and runs[1]["code"] == "...", "asked again, from event 2"
+    assert channel.alive
+    await channel.close()
+
+
+async def test_a_relay_killed_again_and_again_ends_the_channel_but_not_the_runner() -> None:
+    process, recorder = ScriptedProcess(lambda request: []), Recorder()
+    channel = await open_channel(process, recorder)
+    cell = asyncio.ensure_future(run(channel, recorder))
+    await asyncio.sleep(0)
+    process.killed_at_start = channel_module.RELAY_REPLACEMENTS
+    await process.exit(b"", signal="SIGKILL")
+    with pytest.raises(ChannelError) as failure:
+        await cell
+    assert not failure.value.runner_gone and "keeps being killed" in str(failure.value)
+    assert len(process.relays) == 1 + channel_module.RELAY_REPLACEMENTS
 
 
 async def test_output_is_acknowledged_so_the_relay_can_write_on() -> None:

@@ -230,8 +230,22 @@ async def test_patch_auto_pause_and_ingress(client: SandboxClient, sandbox: str,
 # -- auto-pause ---------------------------------------------------------------------------
 
 
-async def test_auto_pause_pauses_idle_but_not_a_long_exec(client: SandboxClient) -> None:
-    """Two sandboxes with 60 s auto-pause, side by side: one idle, one streaming `sleep 70`."""
+# One second of auto-pause lasts this long on the auto-pause test's engine (the API's
+# minimum is 60 s: the test would wait out more than a minute of the suite's time budget).
+SECOND = 0.1
+
+
+@pytest.fixture
+async def fast_auto_pause_client(tmp_path: Path) -> AsyncIterator[SandboxClient]:
+    with running_engine(tmp_path, SANDBOX_KERNEL_AUTO_PAUSE_SECOND=str(SECOND)) as endpoint:
+        async with SandboxClient(endpoint.url, endpoint.token) as api:
+            yield api
+
+
+async def test_auto_pause_pauses_idle_but_not_a_long_exec(fast_auto_pause_client: SandboxClient) -> None:
+    """Two sandboxes with 60 s auto-pause, side by side: one idle, one streaming a `sleep`
+    of 100 s (on an engine whose seconds last SECOND each)."""
+    client = fast_auto_pause_client
     request = CreateSandboxRequest(shape=SHAPE, auto_pause_after_seconds=60)
     idle = await client.create_sandbox(request)
     busy = await client.create_sandbox(request)
@@ -240,12 +254,12 @@ async def test_auto_pause_pauses_idle_but_not_a_long_exec(client: SandboxClient)
     try:
         assert (await client.get_sandbox(idle.id)).auto_pause_after_seconds == 60
         exit_code = None
-        async with client.exec_stream(busy.id, "sleep", ["70"]) as frames:
+        async with client.exec_stream(busy.id, "sleep", [str(100 * SECOND)]) as frames:
 
             async def watch() -> None:
                 nonlocal idle_paused_after
                 while True:
-                    await asyncio.sleep(1.0)
+                    await asyncio.sleep(SECOND)
                     if idle_paused_after is None:
                         if (await client.get_sandbox(idle.id)).status == SandboxStatus.PAUSED:
                             idle_paused_after = time.monotonic() - started
@@ -264,13 +278,13 @@ async def test_auto_pause_pauses_idle_but_not_a_long_exec(client: SandboxClient)
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
         assert exit_code == 0
-        assert idle_paused_after is not None, "the idle sandbox was not auto-paused within 70 s"
+        assert idle_paused_after is not None, "the idle sandbox was not auto-paused within 100 (engine) s"
         # Early pausing is judged on the engine's own clock: the idle timer starts at create,
         # which this test's clock sees only after the request returned (and a second create).
         view = await client.get_sandbox(idle.id)
         assert view.paused_at
         idle_for = datetime.fromisoformat(view.paused_at) - datetime.fromisoformat(view.created_at)
-        assert idle_for.total_seconds() >= 60, f"paused after {idle_for} idle"
+        assert idle_for.total_seconds() >= 60 * SECOND, f"paused after {idle_for} idle"
     finally:
         for sandbox_id in (idle.id, busy.id):
             with contextlib.suppress(Exception):

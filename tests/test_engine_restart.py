@@ -25,6 +25,7 @@ from jupyter_client.manager import start_new_kernel
 from engine_helpers import stop_process
 from kernel_helpers import TIMEOUT, execute
 from sandbox_kernel.api import SandboxClient
+from sandbox_kernel.local.registry import start_time
 from sandbox_kernel.local.service import EngineEndpoint, ensure_engine, read_endpoint, stop_engine
 
 pytestmark = pytest.mark.slow
@@ -42,8 +43,8 @@ def kill_engine(state: Path) -> None:
     pid = engine_of(state).pid
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        time.sleep(0.02)
+    while start_time(pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.02)  # until gone, or a zombie (an engine this test started stays one)
 
 
 def sandboxes(endpoint: EngineEndpoint) -> list[tuple[str, str]]:

@@ -12,6 +12,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from engine_helpers import sandbox_status
+from test_channel import RELAYS
 from kernel_helpers import TIMEOUT, execute
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -92,6 +93,10 @@ def test_fork_and_switch(kernelspec: str, engine: EngineEndpoint) -> None:
         assert sandbox_status(engine, parent).value == "paused"
         value(kc, f"%sandbox attach {parent} --destroy-previous")
         assert value(kc, "print(os.environ['SANDBOX_ID'])").strip() == parent
+        # The relay the kernel left in the parent when it switched (a paused sandbox
+        # refuses the kill) was ended on resume: one relay, not one per switch.
+        relays = value(kc, RELAYS + "print(len(relays()))")
+        assert relays.strip() == "1", relays
         assert sandbox_status(engine, now[0]).value == "destroyed"
     finally:
         kc.stop_channels()

@@ -42,7 +42,7 @@ def test_only_builtin_modules_are_imported() -> None:
     assert not imported & {"json", "base64", "socket", "re", "enum"}
 
 
-def test_a_cell_streams_to_its_done_event_and_can_be_attached(daemon: Daemon) -> None:
+def test_a_cell_streams_to_its_done_event_and_can_be_followed_again(daemon: Daemon) -> None:
     cell_id = new_cell_id()
     done = client("run", daemon.dir, b64({"cell_id": cell_id, "code": "print('hi')", "silent": False,
                                           "store_history": True, "wait": None}))
@@ -50,7 +50,7 @@ def test_a_cell_streams_to_its_done_event_and_can_be_attached(daemon: Daemon) ->
     assert done.returncode == 0, done.stdout + done.stderr
     assert [e["text"] for e in events if e["type"] == "stream"] == ["hi\n"]
     assert events[-1]["type"] == "done" and events[-1]["status"] == "ok"
-    replay = parse(client("attach", daemon.dir, b64({"cell_id": cell_id, "after": 1, "wait": None})).stdout)
+    replay = parse(client("run", daemon.dir, b64({"cell_id": cell_id, "after": 1, "wait": None})).stdout)
     assert [e["seq"] for e in replay] == [e["seq"] for e in events[1:]]
 
 
@@ -72,7 +72,7 @@ def test_failures_are_one_json_line_or_usage() -> None:
 
 def test_the_op_is_added_last_and_wait_is_read_without_parsing() -> None:
     assert json.loads(with_op(b'{"op": "x", "a": 1}', "run")) == {"op": "run", "a": 1}
-    assert json.loads(with_op(b"{}", "attach")) == {"op": "attach"}
+    assert json.loads(with_op(b"{}", "run")) == {"op": "run"}
     assert waits_for_done(json.dumps({"code": "'\"wait\": 1'"}).encode())  # absent: follow
     assert waits_for_done(json.dumps({"wait": None}).encode())
     assert not waits_for_done(json.dumps({"code": "x", "wait": 1.0}).encode())

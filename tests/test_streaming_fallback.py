@@ -1,7 +1,7 @@
 """On a provider without managed processes (the kernel then runs one exec per cell), when
 the service cannot stream exec output (some CreateOS versions answer 404, or send
 an `error` frame; a gateway answers a held exec with 502), cells are followed by polling
-the runner's journal with short buffered execs: slower, but nothing is lost or repeated,
+the runner with short buffered execs: slower, but nothing is lost or repeated,
 even when some of those execs fail with a 502 themselves."""
 
 from __future__ import annotations

@@ -119,6 +119,16 @@ class SandboxStatus(str, Enum):
     def is_terminal(self) -> bool:
         return self in TERMINAL
 
+    @property
+    def is_pause_like(self) -> bool:
+        """Paused, or on its way there or back: a kernel waits for a resume, it does not give up."""
+        return self in PAUSE_LIKE
+
+    @property
+    def is_gone(self) -> bool:
+        """Being destroyed, destroyed or broken: no process will run in it again."""
+        return self in GONE
+
 
 #: statuses that change on their own (poll until they settle)
 TRANSITIONAL: frozenset[SandboxStatus] = frozenset(
@@ -132,6 +142,14 @@ TRANSITIONAL: frozenset[SandboxStatus] = frozenset(
 )
 #: statuses a sandbox never leaves (``error`` is not terminal: it may be recoverable and can be destroyed)
 TERMINAL: frozenset[SandboxStatus] = frozenset({SandboxStatus.DESTROYED, SandboxStatus.FAILED})
+#: statuses in which a sandbox's processes are frozen, or about to be or to stop being
+PAUSE_LIKE: frozenset[SandboxStatus] = frozenset(
+    {SandboxStatus.PAUSING, SandboxStatus.PAUSED, SandboxStatus.RESUMING, SandboxStatus.FORKING}
+)
+#: statuses in which a sandbox has no processes and never will again
+GONE: frozenset[SandboxStatus] = frozenset(
+    {SandboxStatus.DESTROYING, SandboxStatus.DESTROYED, SandboxStatus.ERROR, SandboxStatus.FAILED}
+)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -114,18 +114,30 @@ class EngineRestarting(httpx.AsyncBaseTransport):
     as the kernel did at start, and sends the request again: the new engine has taken the
     sandboxes over (registry.py), so the kernel carries on where it was."""
 
-    def __init__(self, socket_path: str, state_dir: Path, idle_timeout: float) -> None:
+    def __init__(self, socket_path: str, state_dir: Path, idle_timeout: float, engine_pid: int | None = None) -> None:
         self.inner = httpx.AsyncHTTPTransport(uds=socket_path, verify=False)
         self.state_dir = state_dir
         self.idle_timeout = idle_timeout
+        self.engine_pid = engine_pid  # of the engine serving now, when known
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        serving = self.engine_pid
         try:
             return await self.inner.handle_async_request(request)
         except httpx.ConnectError:
             log.warning("the local engine is not answering: starting it again")
-            await asyncio.to_thread(ensure_engine, self.state_dir, self.idle_timeout)
-            return await self.inner.handle_async_request(request)
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+            # No answer, from an engine that is now dead (a kill between two requests leaves
+            # a kept-alive connection to nobody): nothing is left that could have acted on
+            # the request. A live engine that dropped the connection may have: not sent again.
+            from .registry import start_time
+
+            if serving is None or start_time(serving) is not None:
+                raise
+            log.warning("the local engine died: starting it again")
+        endpoint = await asyncio.to_thread(ensure_engine, self.state_dir, self.idle_timeout)
+        self.engine_pid = endpoint.pid
+        return await self.inner.handle_async_request(request)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
