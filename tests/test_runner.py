@@ -629,9 +629,16 @@ def start_printing_cell(daemon, code: str, **fields) -> subprocess.Popen:
     """Run a cell that prints first, once that print has come (so the cell is running)."""
     cell_id = new_cell_id()
     client = daemon.popen("run", {"cell_id": cell_id, "code": "print('started', flush=True)\n" + code, **fields})
-    while not of_type(daemon.attach(cell_id, wait=0.1), "stream"):
+    wait_until_known(daemon, cell_id)
+    while not of_type(daemon.follow(cell_id, wait=0.1), "stream"):
         pass
     return client
+
+
+def wait_until_known(daemon, cell_id: str) -> None:
+    """Until the daemon has the cell another client submitted (a run with no code fails before)."""
+    while daemon.command("run", {"cell_id": cell_id, "wait": 0}).returncode:
+        pass
 
 
 def test_a_comm_message_reaches_a_cell_that_awaits_it(daemon):
@@ -657,8 +664,7 @@ def test_a_comm_message_reaches_a_cell_that_awaits_it(daemon):
         cell_id = new_cell_id()
         senders.append(daemon.popen("run", {"cell_id": cell_id, "code": "", "silent": True, "comm": {
             "msg_type": "comm_msg", "content": {"comm_id": comm_id, "data": {"n": n}}}}))
-        while [event.get("status") for event in daemon.attach(cell_id, wait=0)] == ["unknown"]:
-            pass
+        wait_until_known(daemon, cell_id)
     assert result_text(parse(busy.communicate(timeout=30)[0])) == "0"  # it never awaited: none came during it
     for sender in senders:
         assert parse(sender.communicate(timeout=30)[0])[-1]["status"] == "ok"
