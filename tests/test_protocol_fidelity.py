@@ -392,6 +392,19 @@ def test_a_slider_moved_in_the_frontend_reaches_its_observer(kc: BlockingKernelC
     assert run(kc, "slider.value").of_type("execute_result")[0]["data"]["text/plain"] == "7"
 
 
+def test_the_sandbox_looks_like_an_ipykernel_to_libraries_and_loads_it_on_use(kc: BlockingKernelClient) -> None:
+    """ipykernel's modules are stand-ins until used (runner.defer_import): libraries that ask
+    whether they run in a kernel get yes, code that uses ipykernel gets the real modules."""
+    probe = run(kc, "import sys\n"
+                    "before = type(sys.modules['ipykernel.zmqshell']).__name__\n"
+                    "from tqdm.auto import tqdm\n"
+                    "import ipykernel.zmqshell\n"
+                    "before, tqdm.__module__, ipykernel.zmqshell.ZMQInteractiveShell.__module__, "
+                    "type(sys.modules['ipykernel.zmqshell']).__name__")
+    assert probe.of_type("execute_result")[0]["data"]["text/plain"] == \
+        "('StandIn', 'tqdm.notebook', 'ipykernel.zmqshell', 'module')"
+
+
 def test_usage_reply_takes_only_sane_numbers_from_the_sandbox() -> None:
     from sandbox_kernel.usage import usage_reply
 
