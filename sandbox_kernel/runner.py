@@ -386,8 +386,8 @@ def _mebibytes(size: int) -> str:
 class OutputRouter:
     """The single funnel for everything the current cell outputs.
 
-    Stream text is coalesced (flushed every FLUSH_INTERVAL or past MAX_PENDING
-    characters) because one event per ``print`` would be far too slow; a
+    Stream text is coalesced (at most one flush per FLUSH_INTERVAL, the first at once, or
+    past MAX_PENDING characters) because one event per ``print`` would be far too slow; a
     change of stream and every other event flush it first, so the order the
     user's code produced is preserved. Longer writes are cut into events of at
     most MAX_PENDING characters, so no NDJSON line grows without bound. Each
@@ -560,13 +560,18 @@ class OutputRouter:
             time.sleep(delay)
 
     def _flush_forever(self) -> None:
+        # Leading edge: text that comes after a quiet FLUSH_INTERVAL goes at once (the first
+        # print of a cell, a progress line every second); text that follows close behind
+        # waits out the interval, so a tight print loop is still one event per interval.
+        last_flush = 0.0
         while True:
             with self._has_pending:
                 while not self._pending:
                     self._has_pending.wait()
-            time.sleep(self.FLUSH_INTERVAL)  # let more text accumulate
+            time.sleep(max(0.0, last_flush + self.FLUSH_INTERVAL - time.monotonic()))
             with self._lock:
                 self._flush()
+            last_flush = time.monotonic()
 
     def _read_fds_forever(self) -> None:
         while True:
