@@ -120,7 +120,7 @@ async def measure(env: BenchEnv, rtt: float, starts: int, cells: int) -> list[Ro
     rows = []
     for label, times, requests, target, most in (
             ("trivial cell (`x = 1`)", 1, 3, "1 round trip", 1.5),
-            ("kernel start to first result, cold (with the first cell's round trip)", 0, 2,
+            ("a cold kernel start until its first cell has answered", 0, 2,
              "<= 8 round trips (7 to start, as before)", 8.5)):
         near_p50 = statistics.median(near[times])  # type: ignore[arg-type]
         round_trips = (statistics.median(far[times]) - near_p50) / rtt  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ ROWS = ("trivial cell round trip", "streaming: first chunk", "streaming: lag", "
         "a background thread's print",
         "matplotlib PNG", "DataFrame HTML", "start to first result, cold", "start to first result, warm",
         "pause of a runner", "resume of a runner", "fork of a runner", "density:", "memory per idle sandbox",
-        "memory of the sandbox kernel", "cloud, 30 ms round trip: trivial cell", "cloud, 30 ms round trip: kernel start")
+        "memory of the sandbox kernel", "cloud, 30 ms round trip: trivial cell", "cloud, 30 ms round trip: a cold kernel start")
 
 
 @pytest.mark.slow
