@@ -42,7 +42,7 @@ class Plan:
     lifecycle_mib: int = 200
     density_kernels: int = 20
     density_seconds: float = 60.0
-    cloud_starts: int = 3
+    cloud_starts: int = 5
     cloud_rtt: float = 0.030
 
 
