@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import cells
+import cloud
 import density
 import lifecycle
 import startup
@@ -41,16 +42,19 @@ class Plan:
     lifecycle_mib: int = 200
     density_kernels: int = 20
     density_seconds: float = 60.0
+    cloud_starts: int = 5
+    cloud_rtt: float = 0.030
 
 
 QUICK = Plan(round_trip=3, streaming=1, throughput=1, flood_mib=1, rich=1, frame_mb=0.2, starts=1,
-             lifecycle=1, lifecycle_mib=20, density_kernels=1, density_seconds=2.0)
+             lifecycle=1, lifecycle_mib=20, density_kernels=1, density_seconds=2.0, cloud_starts=1)
 
 
 async def cell_measures(plan: Plan, env: BenchEnv) -> list[Row]:
     async with kernel(SANDBOX) as (_, sandbox), kernel(PLAIN) as (_, plain):
         rows = [await cells.round_trip(sandbox, plain, plan.round_trip)]
         rows += await cells.streaming(sandbox, plain, plan.streaming)
+        rows.append(await cells.background_print(sandbox, plain, plan.streaming))
         rows.append(await cells.throughput(sandbox, plain, plan.throughput, plan.flood_mib))
         rows += await cells.rich_output(sandbox, plain, plan.rich, plan.frame_mb)
         return rows
@@ -61,6 +65,7 @@ MEASURES: dict[str, Callable[[Plan, BenchEnv], Awaitable[list[Row]]]] = {
     "startup": lambda plan, env: startup.measure(plan.starts),
     "lifecycle": lambda plan, env: lifecycle.rows(plan.lifecycle, plan.lifecycle_mib),
     "density": lambda plan, env: density.measure(env, plan.density_kernels, plan.density_seconds),
+    "cloud": lambda plan, env: cloud.measure(env, plan.cloud_rtt, plan.cloud_starts, plan.round_trip),
 }
 
 

@@ -269,22 +269,24 @@ class SandboxSession:
         # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
         # the shutdown of a daemon that is not there.
         stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({protocol.OP: protocol.SHUTDOWN}))])
-        script = (f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; "
-                  f"nohup setsid {SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR} "
-                  f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
-        self._check(await client.exec(sandbox_id, "sh", ["-c", script]))
+        start = (f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; "
+                 f"nohup setsid {SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR} "
+                 f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
         # Readiness by short execs, none held longer than READY_PROBE (a gateway may cut
-        # long ones); a runner that died (no python3, a crash) is reported at once.
+        # long ones); a runner that died (no python3, a crash) is reported at once. The
+        # first one also starts the runner: one round trip less (30 ms each in the cloud).
         probe = (f"i=0; while [ $i -lt {int(READY_PROBE * 50)} ]; do "
                  f"[ -f {RUNNER_DIR}/ready ] && exec cat {RUNNER_DIR}/ready; "
                  f"kill -0 $(cat {RUNNER_DIR}/runner.pid) 2>/dev/null || "
                  f"{{ tail -n 20 {RUNNER_DIR}/runner.log >&2; exit 1; }}; "
                  f"i=$((i+1)); sleep 0.02; done; exit {NOT_READY_YET}")
         deadline = time.monotonic() + RUNNER_READY_TIMEOUT
+        script = f"{start}; {probe}"
         while True:
-            response = await client.exec(sandbox_id, "sh", ["-c", probe])
+            response = await client.exec(sandbox_id, "sh", ["-c", script])
             if response.result.exit_code != NOT_READY_YET or time.monotonic() > deadline:
                 break
+            script = probe
         result = self._check(response, what="the Python runner did not start")
         self.runner_info = json.loads(result.stdout)
         await self._open_channel()

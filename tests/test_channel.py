@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from pathlib import Path
 from typing import Any
 
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from kernel_helpers import execute, running_kernel
+from sandbox_kernel import session as session_module
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
+from sandbox_kernel.config import Settings
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
@@ -115,3 +118,18 @@ def test_a_magic_that_raises_still_gets_its_reply(kernelspec: str, engine: Engin
         assert line.startswith("sandbox-kernel: ") and "mkdir" in line
         # The notebook stays on its sandbox, its variables intact.
         assert execute(kc, "print(x)").text() == "kept\n"
+
+
+async def test_a_runner_that_dies_at_start_is_said_with_its_last_words(
+        engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The exec that starts the runner also waits for it (one round trip): a runner that
+    exits at once is reported by that exec, with the end of its log."""
+    broken = tmp_path / "runner.py"
+    broken.write_text("import sys\nsys.exit('this runner stops at once')\n")
+    monkeypatch.setitem(session_module.RUNNER_FILES, f"{session_module.RUNNER_DIR}/runner.py", broken)
+    session = session_module.SandboxSession(Settings.from_env())
+    try:
+        with pytest.raises(session_module.SessionError, match="did not start: this runner stops at once"):
+            await session.start()
+    finally:
+        await session.shutdown()

@@ -439,6 +439,19 @@ def test_a_cell_that_awaits_a_widgets_answer_gets_it(kc: BlockingKernelClient) -
     assert reply["parent_header"]["msg_id"] == waiting and reply["content"]["status"] == "ok"
 
 
+def test_the_sandbox_looks_like_an_ipykernel_to_libraries_and_loads_it_on_use(kc: BlockingKernelClient) -> None:
+    """ipykernel's modules are stand-ins until used (runner.defer_import): libraries that ask
+    whether they run in a kernel get yes, code that uses ipykernel gets the real modules."""
+    probe = run(kc, "import sys\n"
+                    "before = type(sys.modules['ipykernel.zmqshell']).__name__\n"
+                    "from tqdm.auto import tqdm\n"
+                    "import ipykernel.zmqshell\n"
+                    "before, tqdm.__mro__[1].__module__, ipykernel.zmqshell.ZMQInteractiveShell.__module__, "
+                    "type(sys.modules['ipykernel.zmqshell']).__name__")
+    assert probe.of_type("execute_result")[0]["data"]["text/plain"] == \
+        "('StandIn', 'tqdm.notebook', 'ipykernel.zmqshell', 'module')"  # tqdm.auto's bar is built on the widget one
+
+
 def test_usage_reply_takes_only_sane_numbers_from_the_sandbox() -> None:
     from sandbox_kernel.usage import usage_reply
 

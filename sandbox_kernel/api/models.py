@@ -15,12 +15,12 @@ Shared by the client and by the local engine's server, so they describe the wire
 
 from __future__ import annotations
 
-import base64
 import re
 from datetime import datetime
 from enum import Enum
 from typing import Any, Dict, Generic, List, Optional, TypeVar, Union
 
+import pybase64
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
@@ -553,7 +553,8 @@ class ProcessFrame(WireModel):
 
     @property
     def data(self) -> bytes:
-        return base64.b64decode(self.data_base64, validate=True) if self.data_base64 else b""
+        # pybase64: the standard library's decoder took a sixth of the kernel's time in a long print.
+        return pybase64.b64decode(self.data_base64, validate=True) if self.data_base64 else b""
 
 
 # --------------------------------------------------------------------------------------------------------------

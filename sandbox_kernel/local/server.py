@@ -21,7 +21,9 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..api import envelope
 from ..api.models import (
@@ -97,27 +99,57 @@ def page(items: list[Any], limit: int, offset: int) -> JSONResponse:
                                     limit=limit, offset=offset))
 
 
+class Authenticate:
+    """Checks the key of every request but the public ones, counts it as activity, and tags
+    the answer with an X-Request-Id. Plain ASGI: Starlette's BaseHTTPMiddleware passes
+    every answer, each chunk of a process's output stream too, through a task and a memory
+    stream of its own (about a millisecond per request, the costliest step of a cell's
+    round trip on the engine)."""
+
+    def __init__(self, app: ASGIApp, engine: Engine, token: str) -> None:
+        self.app = app
+        self.engine = engine
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = uuid.uuid4().hex
+        path = scope["path"]
+        refusal = None if path in PUBLIC_ROUTES else refuse_key(
+            self.engine, self.token, offered_credential(Request(scope)), path)
+        if refusal is not None:
+            refusal.headers["X-Request-Id"] = request_id
+            await refusal(scope, receive, send)
+            return
+        if path not in PUBLIC_ROUTES:
+            self.engine.touch()
+        started = False
+
+        async def send_tagged(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                MutableHeaders(scope=message).append("X-Request-Id", request_id)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tagged)
+        except Exception:  # answered here: re-raised past this point, it would close the connection
+            log.exception("internal error")
+            if started:  # part of an answer is out: the server ends it
+                return
+            response = JSONResponse(envelope.error("internal error", 500), status_code=500)
+            response.headers["X-Request-Id"] = request_id
+            await response(scope, receive, send)
+
+
 def create_app(engine: Engine, token: str) -> FastAPI:
     app = FastAPI(title="sandbox-kernel local engine (CreateOS-compatible)", version="1")
     app.state.engine = engine
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):  # type: ignore[no-untyped-def]
-        request_id = uuid.uuid4().hex
-        refusal = None if request.url.path in PUBLIC_ROUTES else refuse_key(
-            engine, token, offered_credential(request), request.url.path)
-        if refusal is not None:
-            refusal.headers["X-Request-Id"] = request_id
-            return refusal
-        if request.url.path not in PUBLIC_ROUTES:
-            engine.touch()
-        try:
-            response = await call_next(request)
-        except Exception:  # answered here: re-raised past this point, it would close the connection
-            log.exception("internal error")
-            response = JSONResponse(envelope.error("internal error", 500), status_code=500)
-        response.headers["X-Request-Id"] = request_id
-        return response
+    app.add_middleware(Authenticate, engine=engine, token=token)
 
     @app.exception_handler(EngineError)
     async def engine_error(_: Request, exc: EngineError) -> JSONResponse:
