@@ -47,6 +47,7 @@ import os
 import socket
 import sys
 
+import runner_debug  # uploaded next to this file too: the debugger (sandbox_kernel/runner_debug.py)
 import runner_protocol as protocol  # uploaded next to this file (sandbox_kernel/runner_protocol.py)
 
 SOCKET_NAME = "runner.sock"
@@ -1498,6 +1499,7 @@ class Daemon:
         self.inputs = InputBridge(self.router)
         self.inputs.install()
         self.comms = CommBridge(self.router)
+        self.debugger = self._create_debugger()
         # SIGINT is ignored between cells and a KeyboardInterrupt during them.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, lambda signum, frame: self._exit())
@@ -1551,12 +1553,20 @@ class Daemon:
                 os.environ["MPLBACKEND"] = "Agg"
         return PlainEngine(self.router)
 
+    def _create_debugger(self) -> "runner_debug.Debugger | None":
+        try:
+            return _debugger_for(self)
+        except Exception:
+            self.router.log("the debugger is not available:\n" + traceback.format_exc())
+            return None
+
     def _info(self) -> dict:
         return {
             "pid": os.getpid(),
             "python_version": platform.python_version(),
             "implementation": platform.python_implementation(),
             "ipython_version": self.engine.ipython_version,
+            "debugger": self.debugger is not None,
         }
 
     def _listen(self) -> socket.socket:
@@ -1639,6 +1649,8 @@ class Daemon:
             if cell.comm is not None:
                 self.comms.deliver(cell.comm)  # its handlers log their own errors
                 return True
+            if self.debugger is not None:
+                self.debugger.before_cell()
             return await self.engine.run(cell.code, cell.silent, stored, count)
         except KeyboardInterrupt:  # landed in engine code rather than in the user's
             self.router.emit("error", ename="KeyboardInterrupt", evalue="", traceback=[])
@@ -1775,11 +1787,17 @@ class Daemon:
             return self._usage.sample()
         if op == protocol.COMM_INFO:
             return {"comms": self.comms.info(request.get("target_name"))}
+        if op == protocol.DEBUG:
+            if self.debugger is None:
+                raise ValueError("no debugger in this sandbox (it needs IPython and debugpy)")
+            return {"response": self.debugger.handle(request.get("request"))}
         if op == protocol.FORK:
             return self._fork(request)
         raise ValueError("unknown op %r" % (op,))
 
     def _interrupt(self) -> str | None:
+        if self.debugger is not None:
+            self.debugger.interrupting()
         with self._lock:
             running = self._running
             if running is not None:
@@ -1973,6 +1991,40 @@ class Daemon:
 
         self.router.start_threads()
         self._start_serving()  # ready file and registration last: the child accepts by then
+
+
+# --------------------------------------------------------------- debugger
+
+
+def _debugger_for(daemon: "Daemon") -> "runner_debug.Debugger | None":
+    """The debugger (runner_debug.py), where debugpy is importable and cells run in IPython."""
+    if not isinstance(daemon.engine, IPythonEngine) or not runner_debug.debugpy_importable():
+        return None
+    events = daemon.router.background()  # DAP events go out as between-cell events ("cell": null)
+    runner_dir = os.path.dirname(os.path.abspath(__file__))
+    return runner_debug.Debugger(lambda work, timeout: _on_main_thread(daemon, work, timeout),
+                                 lambda message: events.emit(protocol.DEBUG_EVENT, content=message),
+                                 daemon.engine.shell, [runner_dir], os.path.join(daemon.state_dir, "debugpy.log"))
+
+
+def _on_main_thread(daemon: "Daemon", work, timeout: float) -> object:
+    """Run work on the daemon's main thread, on its event loop (so between cells), and wait."""
+    import concurrent.futures
+
+    result: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            result.set_result(work())
+        except BaseException as exc:
+            result.set_exception(exc)
+
+    daemon._loop.call_soon_threadsafe(run)
+    try:
+        return result.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise runner_debug.DebuggerError("the debugger could not start while a cell runs: "
+                                         "try again when it has finished") from None
 
 
 class UsageMeter:
