@@ -538,7 +538,8 @@ class SandboxKernel(Kernel):
             boot = self.boot
             await self._on_main_loop(asyncio.wait([boot], timeout=KERNEL_INFO_WAIT))
         if not self._debugger_available():
-            return _debug_refusal(msg, "sandbox-kernel has no debugger for this sandbox")
+            return _debug_refusal(msg, "sandbox-kernel has no debugger for this sandbox: its Python needs "
+                                  "IPython and debugpy (`%pip install debugpy`, then restart the kernel)")
         assert self.sandbox is not None
         self.debug_event_budget = DEBUG_EVENT_BUDGET  # the frontend is listening
         try:

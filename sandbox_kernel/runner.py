@@ -2000,10 +2000,12 @@ def _debugger_for(daemon: "Daemon") -> "runner_debug.Debugger | None":
     """The debugger (runner_debug.py), where debugpy is importable and cells run in IPython."""
     if not isinstance(daemon.engine, IPythonEngine) or not runner_debug.debugpy_importable():
         return None
-    events = daemon.router.background()  # DAP events go out as between-cell events ("cell": null)
     runner_dir = os.path.dirname(os.path.abspath(__file__))
+    # DAP events go out as between-cell events ("cell": null) to the channels. (The
+    # between-cell log is made on first use: until a channel asks, such output goes to the log.)
     return runner_debug.Debugger(lambda work, timeout: _on_main_thread(daemon, work, timeout),
-                                 lambda message: events.emit(protocol.DEBUG_EVENT, content=message),
+                                 lambda message: daemon.router.background().emit(protocol.DEBUG_EVENT,
+                                                                                 content=message),
                                  daemon.engine.shell, [runner_dir], os.path.join(daemon.state_dir, "debugpy.log"))
 
 
