@@ -13,6 +13,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import start_new_kernel
 
 from engine_helpers import sandbox_status
+from fault_proxy import proxied_engine
 from kernel_helpers import TIMEOUT, execute, running_kernel
 from sandbox_kernel import runner_debug
 from sandbox_kernel.api import SandboxStatus
@@ -173,6 +174,22 @@ def test_an_interrupt_ends_a_cell_stopped_at_a_breakpoint(debugging: BlockingKer
 
 
 @pytest.mark.slow
+def test_the_debugger_switched_off_leaves_cells_alone_and_can_be_switched_on_again(
+        debugging: BlockingKernelClient) -> None:
+    kc = debugging
+    source = dap(kc, "dumpCell", {"code": CELL})["body"]["sourcePath"]
+    assert dap(kc, "setBreakpoints", {"source": {"path": source}, "breakpoints": [{"line": BREAKPOINT_LINE}]})["success"]
+    assert dap(kc, "disconnect", {"restart": False, "terminateDebuggee": True})["success"]
+    assert dap(kc, "debugInfo")["body"]["isStarted"] is False
+    # The breakpoint is gone with the debugger: the cell runs through (and the runner lives).
+    assert execute(kc, CELL + "result").of_type("execute_result")[0]["data"]["text/plain"] == "5"
+    start_debugging(kc)
+    msg_id, thread = stop_at_breakpoint(kc, CELL, BREAKPOINT_LINE)
+    assert dap(kc, "continue", {"threadId": thread})["success"]
+    assert shell_reply(kc, msg_id)["content"]["status"] == "ok"
+
+
+@pytest.mark.slow
 def test_the_runner_dying_while_stopped_leaves_the_kernel_answering(kernelspec: str) -> None:
     with running_kernel(kernelspec) as (_, kc):
         start_debugging(kc)
@@ -223,3 +240,15 @@ def test_no_debugger_is_advertised_where_the_sandbox_has_none(kernelspec: str,
         assert info["supported_features"] == [] and info["debugger"] is False
         refused = dap(kc, "initialize", {"adapterID": "python"})
         assert refused["success"] is False and "no debugger" in refused["message"]
+
+
+@pytest.mark.slow
+def test_no_debugger_is_advertised_without_a_channel(kernelspec: str, engine: EngineEndpoint,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A provider without managed processes (one exec per cell): no channel carries the
+    debugger's events, so there is none, although the sandbox has debugpy."""
+    with proxied_engine(engine, monkeypatch, refuse_processes=True), running_kernel(kernelspec) as (_, kc):
+        assert execute(kc, "1").reply["content"]["status"] == "ok"
+        info = kc.kernel_info(reply=True, timeout=TIMEOUT)["content"]
+        assert info["supported_features"] == [] and info["debugger"] is False
+        assert dap(kc, "initialize", {"adapterID": "python"})["success"] is False

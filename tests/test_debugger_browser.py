@@ -32,6 +32,8 @@ def test_the_debugger_stops_a_sandboxed_cell_at_a_breakpoint_and_shows_its_varia
         page.locator(".jp-DebuggerBugButton[aria-pressed='true']").first.wait_for()
         gutter = page.locator(".jp-Cell .cm-breakpoint-gutter .cm-gutterElement")
         gutter.nth(BREAKPOINT_LINE).click()  # the first element is the gutter's spacer
+        # Listed once the kernel has answered setBreakpoints (a cell run before would not stop).
+        page.locator(".jp-DebuggerBreakpoints .jp-DebuggerBreakpoint").first.wait_for()
         page.locator(".jp-Cell .jp-InputArea-editor").first.click()
         page.keyboard.press("Shift+Enter")
         variables = page.locator(".jp-DebuggerVariables-body")
