@@ -2003,14 +2003,14 @@ def _debugger_for(daemon: "Daemon") -> "runner_debug.Debugger | None":
     runner_dir = os.path.dirname(os.path.abspath(__file__))
     # DAP events go out as between-cell events ("cell": null) to the channels. (The
     # between-cell log is made on first use: until a channel asks, such output goes to the log.)
-    return runner_debug.Debugger(lambda work, timeout: _on_main_thread(daemon, work, timeout),
+    return runner_debug.Debugger(lambda work: _on_main_thread(daemon, work),
                                  lambda message: daemon.router.background().emit(protocol.DEBUG_EVENT,
                                                                                  content=message),
                                  daemon.engine.shell, [runner_dir], os.path.join(daemon.state_dir, "debugpy.log"))
 
 
-def _on_main_thread(daemon: "Daemon", work, timeout: float) -> object:
-    """Run work on the daemon's main thread, on its event loop (so between cells), and wait."""
+def _on_main_thread(daemon: "Daemon", work) -> "concurrent.futures.Future":
+    """Run work on the daemon's main thread, on its event loop (so between cells); its future."""
     import concurrent.futures
 
     result: concurrent.futures.Future = concurrent.futures.Future()
@@ -2022,11 +2022,7 @@ def _on_main_thread(daemon: "Daemon", work, timeout: float) -> object:
             result.set_exception(exc)
 
     daemon._loop.call_soon_threadsafe(run)
-    try:
-        return result.result(timeout)
-    except concurrent.futures.TimeoutError:
-        raise runner_debug.DebuggerError("the debugger could not start while a cell runs: "
-                                         "try again when it has finished") from None
+    return result
 
 
 class UsageMeter:

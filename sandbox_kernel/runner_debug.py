@@ -221,8 +221,8 @@ class DapConnection:
 class Debugger:
     """Answers the kernel's ``debug`` ops (see the module docstring).
 
-    ``run_on_main(fn, timeout)`` runs fn on the daemon's main thread (between cells) and
-    returns its result; ``emit_event(message)`` passes a DAP event on to the kernel;
+    ``run_on_main(fn)`` runs fn on the daemon's main thread (between cells) and returns
+    a concurrent.futures.Future of its result; ``emit_event(message)`` passes a DAP event on to the kernel;
     ``shell`` is the IPython shell cells run in; ``excluded`` are paths never debugged;
     debugpy's own log lines go to ``log_path`` (not to the user's stderr).
     """
@@ -234,6 +234,7 @@ class Debugger:
         self._shell = shell
         self._excluded = excluded
         self._adapter: tuple | None = None  # debugpy's client address, once listening
+        self._listening = None  # the future of debugpy.listen on the main thread, once asked for
         self._connection: DapConnection | None = None
         self._initialized = threading.Event()  # the adapter's `initialized` event
         self._lifecycle = threading.Lock()  # initialize, attach and disconnect, one at a time
@@ -280,7 +281,7 @@ class Debugger:
     def interrupting(self) -> None:
         """An interrupt is about to be signalled to the main thread (any thread may call this)."""
         with self._state:
-            self._interrupted_while_stopped = bool(self.stopped_threads)
+            self._interrupted_while_stopped = self._interrupted_while_stopped or bool(self.stopped_threads)
 
     def before_cell(self) -> None:
         """On the main thread, before each cell. An interrupt that ended a cell stopped at a
@@ -314,11 +315,24 @@ class Debugger:
         with self._lifecycle:
             if not self.started:
                 if self._adapter is None:
-                    self._adapter = self._run_on_main(self._listen, START_TIMEOUT)
+                    self._adapter = self._await_listening()
                 self._initialized.clear()
                 self._connection = DapConnection(self._adapter, self._on_event, self._on_disconnected)
                 self._keep_leading_empty_lines()
             return self._forward(request)
+
+    def _await_listening(self) -> tuple:
+        """debugpy's address, once listening. It starts on the main thread, so after the cell
+        that runs now; a request that stops waiting leaves it starting for the next one."""
+        import concurrent.futures
+
+        if self._listening is None:
+            self._listening = self._run_on_main(self._listen)
+        try:
+            return self._listening.result(START_TIMEOUT)
+        except concurrent.futures.TimeoutError:
+            raise DebuggerError("the debugger starts when the running cell has finished: "
+                                "try again then") from None
 
     def _listen(self) -> tuple:
         # debugpy logs to stderr, which is the cell's: output the user did not ask for. Its
@@ -328,6 +342,10 @@ class Debugger:
         os.environ["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
         import debugpy
 
+        # Debug this process only: debugpy would otherwise patch os.fork and subprocess
+        # creation to debug children too (every `!python ...`, and the runner's own fork for
+        # `%sandbox fork`, whose child leaves this sandbox's network).
+        debugpy.configure(subProcess=False)
         return tuple(debugpy.listen(("127.0.0.1", 0)))
 
     def _attach(self, request: dict) -> dict:
