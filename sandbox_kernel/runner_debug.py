@@ -14,9 +14,9 @@ connects to the adapter's client port as the DAP client, relaying requests, resp
 events. The requests that frontends send for Jupyter kernels and debugpy does not know
 (``debugInfo``, ``dumpCell``, ``inspectVariables``, ...) are answered here.
 
-Cells are compiled under the file name the frontend computes for them (Murmur2 of the
-cell's code, see ``cell_file_name``), so a breakpoint set in a dumped cell is hit when the
-cell runs. The runner's own files are excluded from debugging (``rules``), so stepping
+While the debugger is on, cells are compiled under the file name the frontend computes
+for them (Murmur2 of the cell's code, see ``cell_file_name``), so a breakpoint set in a
+dumped cell is hit when the cell runs. The runner's own files are excluded from debugging (``rules``), so stepping
 never enters them.
 """
 from __future__ import annotations
@@ -88,10 +88,15 @@ def cell_file_name(code: str) -> str:
     return os.path.join(cell_directory(), "%d%s" % (murmur2(code.encode("utf-8"), HASH_SEED), CELL_SUFFIX))
 
 
-def name_cells_by_hash(shell) -> None:
-    """Compile the shell's cells under cell_file_name (IPython names them by number)."""
+def name_cells_by_hash(shell, on: bool) -> None:
+    """While on, compile the shell's cells under cell_file_name (IPython names them by number).
+    Only while debugging: IPython shows more of a cell in a traceback when its name is a path,
+    which would change saved notebooks' outputs."""
     compiler = shell.compile
-    compiler.get_code_name = lambda raw_code, transformed_code, number: cell_file_name(raw_code)
+    if on:
+        compiler.get_code_name = lambda raw_code, transformed_code, number: cell_file_name(raw_code)
+    elif "get_code_name" in vars(compiler):
+        del compiler.get_code_name  # IPython's own, from its class
 
 
 def response(request: dict, success: bool = True, body: dict | None = None, message: str = "") -> dict:
@@ -243,7 +248,6 @@ class Debugger:
         self.stopped_threads: set = set()
         self._removed_transforms: list = []
         self._interrupted_while_stopped = False
-        name_cells_by_hash(shell)
 
     @property
     def started(self) -> bool:
@@ -319,6 +323,7 @@ class Debugger:
                 self._initialized.clear()
                 self._connection = DapConnection(self._adapter, self._on_event, self._on_disconnected)
                 self._keep_leading_empty_lines()
+                name_cells_by_hash(self._shell, True)
             return self._forward(request)
 
     def _await_listening(self) -> tuple:
@@ -379,6 +384,7 @@ class Debugger:
             self.breakpoints = {}
             self.stopped_threads = set()
         self._restore_leading_empty_lines()
+        name_cells_by_hash(self._shell, False)
 
     def _on_event(self, message: dict) -> None:
         event, body = message.get("event"), message.get("body") or {}
