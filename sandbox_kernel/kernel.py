@@ -50,6 +50,9 @@ BOOT_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
 CONTROL_THREAD_WAIT = 5.0  # at exit, for the control thread to finish its last message
 USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
+# Bytes of debug events the sandbox may send between two debug requests of the frontend
+# (an honest debugger sends a few small events per step); the rest are dropped.
+DEBUG_EVENT_BUDGET = 4 * 1024 * 1024
 # The request whose cell is running: an execute_request may come on the control channel too,
 # and its cell then runs on the shell's loop (where the sandbox session lives), so its
 # outputs must not take the shell's parent from there.
@@ -137,6 +140,7 @@ class SandboxKernel(Kernel):
         # The translators of recent requests, by msg_id: an event the sandbox tags with an
         # earlier request's id (a thread that chose its cell) is shown on that request.
         self.recent_requests: collections.OrderedDict[str, _EventTranslator] = collections.OrderedDict()
+        self.debug_event_budget = DEBUG_EVENT_BUDGET
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -327,7 +331,9 @@ class SandboxKernel(Kernel):
 
     async def _background_event(self, event: dict[str, Any]) -> None:
         """Runner output between cells: on the last cell's parent, within its output cap."""
-        if self.last_cell is not None and event.get("type") != "input_request":
+        if event.get("type") == protocol.DEBUG_EVENT:
+            self._publish_sandbox_debug_event(event.get("content"))
+        elif self.last_cell is not None and event.get("type") != "input_request":
             await self.last_cell.handle(event)
 
     @staticmethod
@@ -558,15 +564,51 @@ class SandboxKernel(Kernel):
     @property
     def kernel_info(self) -> dict[str, Any]:  # type: ignore[override]
         info = super().kernel_info
-        # ipykernel lists "debugger" and "kernel subshells" (its own machinery); neither
-        # reaches into the sandbox yet, so this kernel advertises no optional feature.
-        info["supported_features"] = []
+        # ipykernel lists "debugger" and "kernel subshells" (its own machinery); only what
+        # reaches into the sandbox is advertised: the debugger, where the sandbox has one.
+        debugger = self._debugger_available()
+        info["supported_features"] = ["debugger"] if debugger else []
+        info["debugger"] = debugger
         return info
 
+    # -- debugger: debugpy in the sandbox (runner_debug.py) --------------------------------
+
+    def _debugger_available(self) -> bool:
+        """The sandbox's Python has debugpy and IPython, and a channel carries its events
+        (the exec-per-cell fallback has none)."""
+        return (self._sandbox_ready() and self.sandbox is not None and self.sandbox.channel is not None
+                and self.sandbox.runner_info.get("debugger") is True)
+
     async def do_debug_request(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """No debugger: every DAP request is answered unsuccessful (rather than left unanswered)."""
-        return {"type": "response", "seq": 0, "request_seq": msg.get("seq", 0), "success": False,
-                "command": msg.get("command", ""), "message": "sandbox-kernel has no debugger"}
+        """A DAP request, answered by the debugger in the sandbox; unsuccessful where there is none."""
+        if self.boot is not None and not self.boot.done():
+            boot = self.boot
+            await self._on_main_loop(asyncio.wait([boot], timeout=KERNEL_INFO_WAIT))
+        if not self._debugger_available():
+            return _debug_refusal(msg, "sandbox-kernel has no debugger for this sandbox: its Python needs "
+                                  "IPython and debugpy (`%pip install debugpy`, then restart the kernel)")
+        assert self.sandbox is not None
+        self.debug_event_budget = DEBUG_EVENT_BUDGET  # the frontend is listening
+        try:
+            answer = await self._on_main_loop(
+                self.sandbox.runner_request({protocol.OP: protocol.DEBUG, "request": msg}))
+        except Exception as exc:  # a runner that died or stopped answering: the reply says so
+            return _debug_refusal(msg, f"the debugger in the sandbox did not answer: {exc}")
+        response = answer.get("response")
+        if not isinstance(response, dict):
+            return _debug_refusal(msg, "the debugger in the sandbox gave no response")
+        return response
+
+    def _publish_sandbox_debug_event(self, content: object) -> None:
+        """A DAP event of the sandbox's debugger, on IOPub, within DEBUG_EVENT_BUDGET."""
+        if not isinstance(content, dict) or content.get("type") != "event":
+            return
+        size = len(json.dumps(content))
+        if size > self.debug_event_budget:
+            log.warning("dropped a debug event of %d bytes: over the budget between debug requests", size)
+            return
+        self.debug_event_budget -= size
+        self.session.send(self.iopub_socket, "debug_event", content, self.get_parent("control"))
 
     async def create_subshell_request(self, socket, ident, parent):  # type: ignore[no-untyped-def]
         await self._no_subshells(socket, "create_subshell_reply", parent, ident)
@@ -648,6 +690,11 @@ class SandboxKernel(Kernel):
         if time.time() - info.get("time", 0) > HANDOFF_MAX_AGE or "sandbox_id" not in info:
             return None
         return info
+
+
+def _debug_refusal(request: dict[str, Any], message: str) -> dict[str, Any]:
+    return {"type": "response", "seq": 0, "request_seq": request.get("seq", 0), "success": False,
+            "command": request.get("command", ""), "message": message}
 
 
 def _payload_of(done: dict[str, Any]) -> list[dict[str, Any]]:

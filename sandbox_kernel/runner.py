@@ -46,7 +46,8 @@ import os
 import socket
 import sys
 
-import runner_fork  # uploaded next to this file, as are the two below
+import runner_debug  # uploaded next to this file, as are the two below: the debugger
+import runner_fork
 import runner_protocol as protocol  # sandbox_kernel/runner_protocol.py
 
 SOCKET_NAME = "runner.sock"
@@ -100,7 +101,7 @@ def serve(state_dir: str) -> int:
 def _import_daemon_modules() -> None:
     """Import the modules the daemon needs (kept out of the module level since clients
     once ran this file too; runner_client.py is the client now)."""
-    global ast, asyncio, builtins, codecs, collections, contextvars, getpass, importlib, inspect, io, linecache
+    global ast, asyncio, builtins, codecs, collections, concurrent, contextvars, getpass, importlib, inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
     global tokenize, traceback, types
     import ast
@@ -108,6 +109,7 @@ def _import_daemon_modules() -> None:
     import builtins
     import codecs
     import collections
+    import concurrent.futures
     import contextvars
     import getpass
     import importlib.machinery
@@ -1584,6 +1586,7 @@ class Daemon:
         self.comms = CommBridge(self.router, self.parents)
         # Made before serving: a request may schedule work on it (_submit) before it runs.
         self._loop = asyncio.new_event_loop()
+        self.debugger = self._create_debugger()
         # SIGINT is ignored between cells and a KeyboardInterrupt during them.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, lambda signum, frame: self._exit())
@@ -1637,12 +1640,20 @@ class Daemon:
                 os.environ["MPLBACKEND"] = "Agg"
         return PlainEngine(self.router)
 
+    def _create_debugger(self) -> "runner_debug.Debugger | None":
+        try:
+            return _debugger_for(self)
+        except Exception:
+            self.router.log("the debugger is not available:\n" + traceback.format_exc())
+            return None
+
     def _info(self) -> dict:
         return {
             "pid": os.getpid(),
             "python_version": platform.python_version(),
             "implementation": platform.python_implementation(),
             "ipython_version": self.engine.ipython_version,
+            "debugger": self.debugger is not None,
         }
 
     def _listen(self) -> socket.socket:
@@ -1721,6 +1732,8 @@ class Daemon:
     async def _run_user_code(self, cell: Cell, stored: bool, count: int) -> bool:
         self._start_running(cell)
         try:
+            if self.debugger is not None:
+                self.debugger.before_cell()
             return await self.engine.run(cell.code, cell.silent, stored, count)
         except KeyboardInterrupt:  # landed in engine code rather than in the user's
             self.router.emit("error", ename="KeyboardInterrupt", evalue="", traceback=[])
@@ -1883,11 +1896,17 @@ class Daemon:
             return self._usage.sample()
         if op == protocol.COMM_INFO:
             return {"comms": self.comms.info(request.get("target_name"))}
+        if op == protocol.DEBUG:
+            if self.debugger is None:
+                raise ValueError("no debugger in this sandbox (it needs IPython and debugpy)")
+            return {"response": self.debugger.handle(request.get("request"))}
         if op == protocol.FORK:
             return runner_fork.fork(self, request)
         raise ValueError("unknown op %r" % (op,))
 
     def _interrupt(self) -> str | None:
+        if self.debugger is not None:
+            self.debugger.interrupting()
         with self._lock:
             running = self._running
             if running is not None:
@@ -1954,6 +1973,36 @@ class Daemon:
 
     def log(self, text: str) -> None:
         self.router.log(text)
+
+
+# --------------------------------------------------------------- debugger
+
+
+def _debugger_for(daemon: "Daemon") -> "runner_debug.Debugger | None":
+    """The debugger (runner_debug.py), where debugpy is importable and cells run in IPython."""
+    if not isinstance(daemon.engine, IPythonEngine) or not runner_debug.debugpy_importable():
+        return None
+    runner_dir = os.path.dirname(os.path.abspath(__file__))
+    # DAP events go out as between-cell events ("cell": null) to the channels. (The
+    # between-cell log is made on first use: until a channel asks, such output goes to the log.)
+    return runner_debug.Debugger(lambda work: _on_main_thread(daemon, work),
+                                 lambda message: daemon.router.background().emit(protocol.DEBUG_EVENT,
+                                                                                 content=message),
+                                 daemon.engine.shell, [runner_dir], os.path.join(daemon.state_dir, "debugpy.log"))
+
+
+def _on_main_thread(daemon: "Daemon", work) -> "concurrent.futures.Future":
+    """Run work on the daemon's main thread, on its event loop (so between cells); its future."""
+    result: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            result.set_result(work())
+        except BaseException as exc:
+            result.set_exception(exc)
+
+    daemon._loop.call_soon_threadsafe(run)
+    return result
 
 
 class UsageMeter:

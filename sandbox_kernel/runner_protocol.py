@@ -27,6 +27,7 @@ SHUTDOWN = "shutdown"
 FORK = "fork"  # the local agent's, not the kernel's
 USAGE = "usage"  # the sandbox's CPU and memory, for usage_reply
 COMM_INFO = "comm_info"  # the comms open in the sandbox: target_name (optional)
+DEBUG = "debug"  # a frontend's DAP request (request) for the debugger; answered {"response": ...}
 CHANNEL = "channel"  # first line of a relay's connection: many requests follow on it
 # Handled at once on a channel, never queued behind a completion (they need no answer).
 IMMEDIATE_OPS = (INTERRUPT, INPUT, SHUTDOWN)
@@ -57,4 +58,5 @@ ERROR_EVENT = "error"
 INPUT_REQUEST = "input_request"
 ASK_EXIT = "ask_exit"
 COMM = "comm"  # a comm message the sandbox sends: msg_type, content, metadata, buffers (base64)
+DEBUG_EVENT = "debug_event"  # a DAP event of the debugger (content), between cells ("cell": null)
 DONE = "done"  # the last event of a cell: status ok, error or unknown

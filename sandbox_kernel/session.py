@@ -49,7 +49,8 @@ RUNNER_PATH = f"{RUNNER_DIR}/runner.py"
 RUNNER_CLIENT_PATH = f"{RUNNER_DIR}/runner_client.py"
 # Uploaded at every runner start: the daemon, its fork and protocol modules, its light client.
 RUNNER_FILES = {f"{RUNNER_DIR}/{name}": Path(__file__).with_name(name)
-                for name in ("runner.py", "runner_fork.py", "runner_protocol.py", "runner_client.py")}
+                for name in ("runner.py", "runner_fork.py", "runner_debug.py", "runner_protocol.py",
+                             "runner_client.py")}
 SANDBOX_PYTHON = "python3"
 # Keep each exec argument well under Linux's 128 KiB per-argument limit.
 MAX_INLINE_CODE = 64 * 1024

@@ -27,6 +27,7 @@ CONTENT: dict[str, dict[str, Any]] = {
     "interrupt_reply": {"status": ("ok", "error")},
     "shutdown_reply": {"status": ("ok", "error"), "restart": bool},
     "debug_reply": {"type": ("response",), "success": bool, "command": str, "request_seq": int},
+    "debug_event": {"type": ("event",), "event": str, "seq": int},
 }
 PAYLOADS: dict[str, dict[str, Any]] = {
     "page": {"data": dict, "start": int},

@@ -93,9 +93,10 @@ def wait_until_up(url: str, token: str, server: subprocess.Popen[bytes]) -> None
 
 
 @contextlib.contextmanager
-def lab_page_that_ran(kernelspec: str, tmp_path: Path, cell: str) -> Iterator[Any]:
+def lab_page_that_ran(kernelspec: str, tmp_path: Path, cell: str, run: bool = True) -> Iterator[Any]:
     """A Chromium page on JupyterLab with a one-cell notebook on the sandbox kernel, after
-    running the cell (its outputs may still be arriving)."""
+    running the cell (its outputs may still be arriving); with run false, before: the cell
+    is selected, its kernel idle."""
     browser_path = chromium_path()
     from playwright.sync_api import sync_playwright
 
@@ -115,7 +116,8 @@ def lab_page_that_ran(kernelspec: str, tmp_path: Path, cell: str) -> Iterator[An
             page.locator(".jp-NotebookPanel-toolbar .jp-KernelName", has_text="Python (sandbox)").wait_for()
             page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()
             page.locator(".jp-Cell .jp-InputArea-editor").first.click()
-            page.keyboard.press("Shift+Enter")
+            if run:
+                page.keyboard.press("Shift+Enter")
             yield page
         finally:
             browser.close()
