@@ -101,7 +101,8 @@ def serve(state_dir: str) -> int:
 def _import_daemon_modules() -> None:
     """Import the modules the daemon needs (kept out of the module level since clients
     once ran this file too; runner_client.py is the client now)."""
-    global ast, asyncio, builtins, codecs, collections, concurrent, contextvars, getpass, importlib, inspect, io, linecache
+    global ast, asyncio, builtins, codecs, collections, concurrent, contextvars, getpass, importlib
+    global inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
     global tokenize, traceback, types
     import ast
