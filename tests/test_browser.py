@@ -26,7 +26,7 @@ import pytest
 
 from engine_helpers import stop_process
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 CELL = """\

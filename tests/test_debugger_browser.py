@@ -14,7 +14,7 @@ import pytest
 
 from test_browser import ARTIFACTS, lab_page_that_ran
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 CELL = """\
 def add(a, b):

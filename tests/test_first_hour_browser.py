@@ -10,7 +10,7 @@ import pytest
 
 from test_browser import ARTIFACTS, lab_page_that_ran
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
 def test_sandbox_cost_shows_dollars_not_math(kernelspec: str, tmp_path: Path) -> None:

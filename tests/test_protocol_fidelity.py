@@ -73,10 +73,10 @@ def test_the_ready_line_is_an_opt_in(kernelspec: str, monkeypatch: pytest.Monkey
 
 def test_a_slow_start_shows_progress_that_becomes_the_ready_line(
         kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    # CreateOS answers the create with "429, retry after 16 s"; the cell is sent at once,
-    # without waiting for kernel_info (which waits for the sandbox).
+    # CreateOS answers the create with "429, retry after 4 s" (progress shows after 2 s); the
+    # cell is sent at once, without waiting for kernel_info (which waits for the sandbox).
     slow_down = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
-                 b"Retry-After: 16\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
+                 b"Retry-After: 4\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
     with proxied_engine(engine, monkeypatch, create_replies=[slow_down]):
         km = KernelManager(kernel_name=kernelspec)
         km.start_kernel()

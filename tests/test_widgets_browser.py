@@ -15,7 +15,7 @@ import pytest
 
 from test_browser import ARTIFACTS, lab_page_that_ran
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 SLIDER_CELL = """\
 import ipywidgets as widgets
