@@ -393,6 +393,7 @@ class OutputRouter:
         self._cell: Cell | None = None
         self._pending_name = ""
         self._pending_parent: str | None = None
+        self._last_flush = 0.0  # when the flusher or an explicit flush last sent pending text
         self._pending: list[str] = []
         self._pending_size = 0
         self._limit_noticed = False  # whether the current cell was told its output is dropped
@@ -559,19 +560,28 @@ class OutputRouter:
         if delay:
             time.sleep(delay)
 
+    def flush_now(self) -> None:
+        """An explicit flush (``print(..., flush=True)``): the pending text goes at once, as
+        under ipykernel, unless an event went less than FLUSH_INTERVAL ago; then the flusher
+        thread sends it at the interval's end, so a loop that flushes every line is still
+        at most one event per interval."""
+        with self._lock:
+            if time.monotonic() - self._last_flush >= self.FLUSH_INTERVAL:
+                self._flush()
+                self._last_flush = time.monotonic()
+
     def _flush_forever(self) -> None:
-        # Leading edge: text that comes after a quiet FLUSH_INTERVAL goes at once (the first
-        # print of a cell, a progress line every second); text that follows close behind
-        # waits out the interval, so a tight print loop is still one event per interval.
-        last_flush = 0.0
+        # Unflushed text waits out the interval: a tight print loop is one event per interval,
+        # and the prints of a quick cell are one output, as ipykernel's batching makes them
+        # (a saved notebook's outputs do not depend on which kernel ran it).
         while True:
             with self._has_pending:
                 while not self._pending:
                     self._has_pending.wait()
-            time.sleep(max(0.0, last_flush + self.FLUSH_INTERVAL - time.monotonic()))
+            time.sleep(self.FLUSH_INTERVAL)
             with self._lock:
                 self._flush()
-            last_flush = time.monotonic()
+                self._last_flush = time.monotonic()
 
     def _read_fds_forever(self) -> None:
         while True:
@@ -602,6 +612,9 @@ def _make_cell_stream(router: OutputRouter, name: str, fd: int) -> io.TextIOBase
                 raise TypeError("write() argument must be str, not %s" % type(text).__name__)
             router.write(name, text)
             return len(text)
+
+        def flush(self) -> None:
+            router.flush_now()
 
         def writable(self) -> bool:
             return True

@@ -79,6 +79,8 @@ def auto_pause_second() -> float:
     except ValueError:
         return 1.0
     return second if 0 < second <= 1 else 1.0
+
+
 TRANSITIONAL = (SandboxStatus.PAUSING, SandboxStatus.RESUMING)
 HEARTBEAT_SECONDS = 5.0  # an idle stream (exec, process connect) gets a heartbeat this often
 
