@@ -142,7 +142,7 @@ class AgentClient:
         `size` (when the client announced it) the agent refuses an upload cut short.
 
         The agent answers as soon as it fails (a full disk, say): the rest of the upload
-        is then not read at all."""
+        is then not sent (the agent discards what was already on the way)."""
         request = {"op": "write", "path": path, **({} if size is None else {"size": size})}
         async with self.connection(request) as (reader, writer):
             reply = asyncio.ensure_future(self._reply(reader))

@@ -35,7 +35,9 @@ Managed processes (processes.py): create/get/kill/wait answer {"ok": true, <proc
 list {"ok": true, "processes": [...]}, input {"ok": true, "input_seq": N}, the others
 {"ok": true}; connect answers {"ok": true} then CreateOS connect frames until `exit`.
 Failures are {"ok": false, "code": "not_found" | "invalid" | "conflict" | "no_space" | "failed",
-"error": msg}; a write that fails (a full disk) is answered at once, without reading the rest.
+"error": msg}; a write that fails (a full disk) is answered at once, and the rest is read
+and thrown away until the engine, which stops sending on the answer, closes: closing on
+unread bytes would break the engine's next send, and asyncio then drops the unread answer.
 Closing the connection before an exec finishes kills that command's process group,
 as CreateOS does when a client abandons an exec.
 """
@@ -181,7 +183,7 @@ class Agent:
                          writer: asyncio.StreamWriter) -> None:
         path = request.get("path")
         if not isinstance(path, str) or not os.path.isabs(path):
-            writer.write(failure("invalid", "path must be absolute"))
+            await refuse_upload(failure("invalid", "path must be absolute"), reader, writer)
             return
         written = 0
         try:
@@ -196,7 +198,7 @@ class Agent:
                         view = view[out.write(view):]
                     written += len(chunk)
         except OSError as exc:
-            writer.write(failure(os_error_code(exc), "%s: %s" % (path, exc.strerror)))
+            await refuse_upload(failure(os_error_code(exc), "%s: %s" % (path, exc.strerror)), reader, writer)
             return
         size = request.get("size")
         if isinstance(size, int) and written != size:
@@ -373,6 +375,14 @@ class Agent:
             return False
         attached.set_result((reader, writer))
         return True
+
+
+async def refuse_upload(answer: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer a failed upload now, then discard what is still coming until the engine closes."""
+    writer.write(answer)
+    await writer.drain()
+    while await reader.read(CHUNK):
+        pass
 
 
 async def splice(reader_a: asyncio.StreamReader, writer_a: asyncio.StreamWriter,
