@@ -24,9 +24,18 @@ from jupyter_client.manager import start_new_kernel
 
 from engine_helpers import stop_process
 from kernel_helpers import TIMEOUT, execute
-from sandbox_kernel.api import SandboxClient
+from sandbox_kernel.api import APITransportError, CreateSandboxRequest, SandboxClient
+from sandbox_kernel.config import LOCAL_ENGINE_URL_FOR_UDS
 from sandbox_kernel.local.registry import start_time
-from sandbox_kernel.local.service import EngineEndpoint, ensure_engine, read_endpoint, stop_engine
+from sandbox_kernel.local.service import (
+    SOCKET_FILE,
+    EngineEndpoint,
+    EngineRestarting,
+    ensure_engine,
+    load_or_create_token,
+    read_endpoint,
+    stop_engine,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -153,3 +162,51 @@ def finish(kc: BlockingKernelClient, msg_id: str) -> tuple[dict, str]:
             text += msg["content"]["text"]
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             return kc.get_shell_msg(timeout=TIMEOUT), text
+
+
+# An engine that dies after reading one whole request, before answering it: where a kill can
+# land between an engine acting on a request and its answer. It notes the request line.
+DIES_HOLDING_A_REQUEST = """
+import os, socket, sys
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(sys.argv[1])
+listener.listen()
+print("listening", flush=True)
+connection, _ = listener.accept()
+data = b""
+while b"\\r\\n\\r\\n" not in data:
+    data += connection.recv(65536)
+head, _, body = data.partition(b"\\r\\n\\r\\n")
+lines = head.split(b"\\r\\n")
+length = int(next((line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length:")), b"0"))
+while len(body) < length:
+    body += connection.recv(65536)
+open(sys.argv[2], "wb").write(lines[0])
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("method", ["POST", "GET"])
+async def test_an_engine_that_died_holding_a_request_gets_it_again_only_if_harmless(tmp_path: Path,
+                                                                                   method: str) -> None:
+    """The kernel's transport starts the next engine either way, but sends a sandbox create
+    again only if it cannot have been read: a second one would leave the first orphaned."""
+    socket_path, request_line = tmp_path / SOCKET_FILE, tmp_path / "request-line"
+    dying = subprocess.Popen([sys.executable, "-c", DIES_HOLDING_A_REQUEST, str(socket_path), str(request_line)],
+                             stdout=subprocess.PIPE)
+    try:
+        assert dying.stdout is not None and dying.stdout.readline() == b"listening\n"
+        transport = EngineRestarting(str(socket_path), tmp_path, idle_timeout=60, engine_pid=dying.pid)
+        async with SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, load_or_create_token(tmp_path), transport=transport) as api:
+            if method == "POST":
+                with pytest.raises(APITransportError):
+                    await api.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-1gb"))
+            else:
+                assert await api.list_sandboxes() == []  # answered by the next engine
+        assert request_line.read_bytes().startswith(f"{method} /v1/sandboxes".encode())  # read whole, then died
+        next_engine = await asyncio.to_thread(engine_of, tmp_path)
+        assert await asyncio.to_thread(sandboxes, next_engine) == []  # and holds no second sandbox
+    finally:
+        dying.kill()
+        dying.wait()
+        stop_engine(tmp_path)

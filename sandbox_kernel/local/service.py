@@ -111,8 +111,8 @@ def ensure_engine(state_dir: Path, idle_timeout: float = 600.0) -> EngineEndpoin
 class EngineRestarting(httpx.AsyncBaseTransport):
     """The kernel's way to its local engine over the unix socket. When no engine answers
     there (it was stopped, killed or is being upgraded), it starts one for the state dir,
-    as the kernel did at start, and sends the request again: the new engine has taken the
-    sandboxes over (registry.py), so the kernel carries on where it was."""
+    as the kernel did at start, and sends the request again where that is safe (below): the
+    new engine has taken the sandboxes over (registry.py), so the kernel carries on where it was."""
 
     def __init__(self, socket_path: str, state_dir: Path, idle_timeout: float, engine_pid: int | None = None) -> None:
         self.inner = httpx.AsyncHTTPTransport(uds=socket_path, verify=False)
@@ -122,21 +122,33 @@ class EngineRestarting(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         serving = self.engine_pid
+        lost: httpx.TransportError | None = None  # an answer lost with a request the engine may have run
         try:
             return await self.inner.handle_async_request(request)
         except httpx.ConnectError:
             log.warning("the local engine is not answering: starting it again")
-        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
             # No answer, from an engine that is now dead (a kill between two requests leaves
-            # a kept-alive connection to nobody): nothing is left that could have acted on
-            # the request. A live engine that dropped the connection may have: not sent again.
+            # a kept-alive connection to nobody). A live engine that dropped the connection
+            # may have acted on the request: not sent again. A dead one may have too, if it
+            # read the whole request before it died, so the next engine gets it again only if
+            # it could not have (a failed write) or if repeating it is harmless: not a POST
+            # (a second sandbox create would orphan the first, an exec would run twice), except
+            # the channel's lines to its relay (a cell the runner has is not run again, an
+            # acknowledgement counts once).
             from .registry import start_time
 
             if serving is None or start_time(serving) is not None:
                 raise
-            log.warning("the local engine died: starting it again")
+            if (request.method == "POST" and not request.url.path.endswith("/input")
+                    and not isinstance(exc, httpx.WriteError)):
+                lost = exc
+            log.warning("the local engine died: starting it again%s",
+                        f" ({request.method} {request.url.path} is not repeated)" if lost else "")
         endpoint = await asyncio.to_thread(ensure_engine, self.state_dir, self.idle_timeout)
         self.engine_pid = endpoint.pid
+        if lost is not None:
+            raise lost
         return await self.inner.handle_async_request(request)
 
     async def aclose(self) -> None:
