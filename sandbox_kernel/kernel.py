@@ -132,6 +132,7 @@ class SandboxKernel(Kernel):
         # they must reach the sandbox in the order they came (a comm_msg after its comm_open).
         self.comm_order = asyncio.Lock()
         self.cells_executing = 0  # execute_requests being handled (see _comm_from_frontend)
+        self.queues_aborted_early = 0  # failed cells whose queue was aborted before the reply (see there)
         # Client sessions that asked is_complete: terminals (see _frontend_updates_in_place).
         self.terminal_sessions: set[str] = set()
         # The last cell's translator: output the runner sends between cells (a background
@@ -233,20 +234,37 @@ class SandboxKernel(Kernel):
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          **_: Any) -> dict[str, Any]:
         """Every execute_request gets its reply, whatever is raised on the way."""
-        request = REQUEST_PARENT.set(self.get_parent())  # shell's or control's, by the thread we are on
+        parent = self.get_parent()  # shell's or control's, by the thread we are on
+        request = REQUEST_PARENT.set(parent)
         self.cells_executing += 1
         try:
-            return await self._on_main_loop(
+            reply = await self._on_main_loop(
                 self._execute(code, silent, store_history, user_expressions or {}, allow_stdin))
         except asyncio.CancelledError:
             raise  # the kernel is shutting down
         except Exception as exc:  # a bug of ours, or a magic that raised: one line, and the reply
             log.exception("execute_request failed in the kernel")
-            return self._fail("SandboxError", f"internal error ({type(exc).__name__}: {exc}); "
-                              "details are in the kernel's log")
+            reply = self._fail("SandboxError", f"internal error ({type(exc).__name__}: {exc}); "
+                               "details are in the kernel's log")
         finally:
             self.cells_executing -= 1
             REQUEST_PARENT.reset(request)
+        if reply["status"] == "error" and not silent and parent["content"].get("stop_on_error", True):
+            super()._abort_queues(parent["header"].get("subshell_id"))
+            self.queues_aborted_early += 1
+        return reply
+
+    def _abort_queues(self, subshell_id: str | None = None) -> None:
+        """After a failed cell, abort the execute_requests queued behind it. ipykernel does it
+        once the reply is sent, by queueing a marker from another thread: a frontend's next
+        request, sent on that reply, could be queued ahead of the marker and be aborted too
+        (under load a cell run right after an interrupted one came back "aborted"). So it is
+        done from do_execute, before the reply leaves, and ipykernel's call after it (made in
+        exactly the same cases) finds it done."""
+        if self.queues_aborted_early:
+            self.queues_aborted_early -= 1
+            return
+        super()._abort_queues(subshell_id)
 
     async def _execute(self, code: str, silent: bool, store_history: bool,
                        user_expressions: dict[str, Any], allow_stdin: bool) -> dict[str, Any]:

@@ -149,6 +149,24 @@ def test_interrupt_stops_a_busy_loop(kernel: tuple[KernelManager, BlockingKernel
     assert after.text() == "kept\n", (after.reply["content"], after.messages)  # failed once under load: say how
 
 
+def test_a_failed_cell_aborts_the_cells_queued_behind_it_and_no_later_one(kc: BlockingKernelClient) -> None:
+    """stop_on_error as in ipykernel: execute_requests sent before the failed cell's reply are
+    aborted (whatever their own stop_on_error); one sent on that reply runs, every time."""
+    for _ in range(5):
+        failing = kc.execute("import time; time.sleep(0.3); 1/0")
+        queued = [kc.execute("queued = 1"), kc.execute("queued = 2", stop_on_error=False)]
+        replies = {}
+        while len(replies) < 3:
+            reply = kc.get_shell_msg(timeout=TIMEOUT)
+            if reply["msg_type"] == "execute_reply":  # not a kernel_info_reply left from the start
+                replies[reply["parent_header"]["msg_id"]] = reply["content"]["status"]
+        assert [replies[msg_id] for msg_id in [failing, *queued]] == ["error", "aborted", "aborted"]
+        for _ in range(3):  # sent right after an error reply: never caught by its abort
+            assert execute(kc, "1/0").reply["content"]["status"] == "error"
+            assert execute(kc, "print('runs')").text() == "runs\n"
+    assert execute(kc, "print('queued' in globals())").text() == "False\n"
+
+
 def test_input_and_getpass_use_the_stdin_channel(kc: BlockingKernelClient) -> None:
     prompts: list[dict] = []
 
