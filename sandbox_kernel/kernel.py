@@ -59,8 +59,8 @@ DEBUG_EVENT_BUDGET = 4 * 1024 * 1024
 # and its cell then runs on the shell's loop (where the sandbox session lives), so its
 # outputs must not take the shell's parent from there.
 REQUEST_PARENT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("request_parent")
-# The execution count of the cell being handled: taken when its request comes, as the
-# execute_input shows it; cells of subshells run meanwhile and take the next numbers.
+# The execution count of the cell being handled: the one its execute_input showed (cells of
+# subshells run meanwhile and take the next numbers).
 CELL_COUNT: contextvars.ContextVar[int] = contextvars.ContextVar("cell_count")
 COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
 # Whether ipykernel dispatches the shell message being handled "concurrently": a comm message
@@ -150,6 +150,8 @@ class SandboxKernel(Kernel):
         # they are handled in the subshells' threads, the deletion in the control thread.
         self.subshell_requests: dict[str, set[concurrent.futures.Future[None]]] = {}
         self.subshell_requests_lock = threading.Lock()
+        # The count each execute_input showed, by request, until its do_execute takes it.
+        self.announced_counts: dict[str, int] = {}
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -242,8 +244,10 @@ class SandboxKernel(Kernel):
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          **_: Any) -> dict[str, Any]:
         """Every execute_request gets its reply, whatever is raised on the way."""
-        request = REQUEST_PARENT.set(self.get_parent())  # shell's or control's, by the thread we are on
-        count = CELL_COUNT.set(self.execution_count)
+        parent = self.get_parent()  # shell's or control's, by the thread we are on
+        request = REQUEST_PARENT.set(parent)
+        count = CELL_COUNT.set(self.announced_counts.pop(parent.get("header", {}).get("msg_id"),
+                                                         self.execution_count))
         self.cells_executing += 1
         try:
             return await self._on_main_loop(
@@ -258,6 +262,11 @@ class SandboxKernel(Kernel):
             self.cells_executing -= 1
             CELL_COUNT.reset(count)
             REQUEST_PARENT.reset(request)
+
+    def _publish_execute_input(self, code, parent, execution_count):  # type: ignore[no-untyped-def]
+        # Another subshell's request may take the next number before this cell's do_execute starts.
+        self.announced_counts[parent["header"]["msg_id"]] = execution_count
+        super()._publish_execute_input(code, parent, execution_count)
 
     def cell_count(self) -> int:
         """The execution count of the cell being handled (see CELL_COUNT)."""

@@ -165,9 +165,11 @@ def test_two_subshells_run_together_each_output_on_its_request(kc: BlockingKerne
         assert {m["parent_header"]["subshell_id"] for m in statuses} == {subshells["ab".index(name)]}
     # Both had started before either ended.
     assert max(result.index(i, "stream", "in ") for i in ids) < min(result.idle(i) for i in ids)
-    counts = [result.replies[i]["content"]["execution_count"] for i in ids]
-    inputs = [m["content"]["execution_count"] for m in result.iopub if m["msg_type"] == "execute_input"]
-    assert sorted(counts) == sorted(inputs) and len(set(counts)) == 2  # each its own number
+    # Each its own number, the same in its execute_input, execute_result and execute_reply.
+    counts = {i: {m["content"]["execution_count"] for m in result.iopub if m["parent_header"]["msg_id"] == i
+                  and m["msg_type"] in ("execute_input", "execute_result")}
+              | {result.replies[i]["content"]["execution_count"]} for i in ids}
+    assert all(len(numbers) == 1 for numbers in counts.values()) and counts[ids[0]] != counts[ids[1]]
 
 
 def test_the_main_shell_runs_while_a_subshell_waits(kc: BlockingKernelClient) -> None:
@@ -239,7 +241,7 @@ def test_deleting_a_running_subshell_waits_for_its_cell(kc: BlockingKernelClient
     assert listed(kc) == []
 
 
-def test_input_and_async_cells_in_a_subshell(kc: BlockingKernelClient) -> None:
+def test_input_async_and_shell_commands_in_a_subshell(kc: BlockingKernelClient) -> None:
     subshell = create(kc)
     asked = send(kc, "print(input('name? '))", subshell, allow_stdin=True)
     request = kc.get_stdin_msg(timeout=TIMEOUT)
@@ -247,8 +249,10 @@ def test_input_and_async_cells_in_a_subshell(kc: BlockingKernelClient) -> None:
     assert request["content"]["prompt"] == "name? "
     kc.input("Ada")
     awaited = send(kc, "import asyncio; await asyncio.sleep(0); print('awaited')", subshell)
-    result = Run(kc, [asked, awaited])
+    shell = send(kc, "!echo from a shell", subshell)
+    result = Run(kc, [asked, awaited, shell])
     assert result.stdout(asked) == "Ada\n" and result.stdout(awaited) == "awaited\n"
+    assert result.stdout(shell).strip() == "from a shell"
     control(kc, "delete_subshell_request", {"subshell_id": subshell})
 
 
