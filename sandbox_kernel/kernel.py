@@ -710,11 +710,12 @@ class SandboxKernel(Kernel):
         self.session.send(socket, "list_subshell_reply", reply, parent, ident=ident)
 
     def _no_subshells(self, socket: Any, reply_type: str, parent: dict[str, Any], ident: Any) -> None:
-        """No subshells in this sandbox (no IPython, or no channel): refused, not left unanswered."""
+        """No subshells here (yet): refused, not left unanswered."""
+        why = ("the sandbox is not up: a cell shows why" if not self._sandbox_ready() else
+               "they need IPython in the sandbox and a provider with managed processes")
         self.session.send(socket, reply_type, {
             "status": "error", "ename": "NotImplementedError", "traceback": [],
-            "evalue": "sandbox-kernel has no kernel subshells in this sandbox: they need IPython in the "
-                      "sandbox and a provider with managed processes"}, parent, ident=ident)
+            "evalue": f"sandbox-kernel has no kernel subshells now: {why}"}, parent, ident=ident)
 
     async def execute_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
         """ipykernel's; a subshell's request is tracked until answered (see delete_subshell_request)."""

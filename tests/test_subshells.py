@@ -224,8 +224,9 @@ def test_deleting_a_running_subshell_waits_for_its_cell(kc: BlockingKernelClient
     subshell = create(kc)
     run(kc, "import threading; go = threading.Event()")
     waiting = send(kc, f"print('waits', flush=True); assert go.wait({WAIT}); print('went')", subshell)
-    while True:
+    while True:  # the cell runs
         msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        validate(msg)
         if msg["msg_type"] == "stream" and msg["parent_header"]["msg_id"] == waiting:
             break
     delete = kc.session.msg("delete_subshell_request", {"subshell_id": subshell})
