@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import concurrent.futures
 import contextvars
 import hashlib
 import json
 import logging
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Coroutine
@@ -57,6 +59,9 @@ DEBUG_EVENT_BUDGET = 4 * 1024 * 1024
 # and its cell then runs on the shell's loop (where the sandbox session lives), so its
 # outputs must not take the shell's parent from there.
 REQUEST_PARENT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("request_parent")
+# The execution count of the cell being handled: the one its execute_input showed (cells of
+# subshells run meanwhile and take the next numbers).
+CELL_COUNT: contextvars.ContextVar[int] = contextvars.ContextVar("cell_count")
 COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
 # Whether ipykernel dispatches the shell message being handled "concurrently": a comm message
 # that came while another shell message was being handled, which it announces with no status.
@@ -132,7 +137,8 @@ class SandboxKernel(Kernel):
         # they must reach the sandbox in the order they came (a comm_msg after its comm_open).
         self.comm_order = asyncio.Lock()
         self.cells_executing = 0  # execute_requests being handled (see _comm_from_frontend)
-        self.queues_aborted_early = 0  # failed cells whose queue was aborted before the reply (see there)
+        # The (sub)shells whose failed cell had its queue aborted before the reply (see _abort_queues).
+        self.queues_aborted_early: set[str | None] = set()
         # Client sessions that asked is_complete: terminals (see _frontend_updates_in_place).
         self.terminal_sessions: set[str] = set()
         # The last cell's translator: output the runner sends between cells (a background
@@ -142,6 +148,12 @@ class SandboxKernel(Kernel):
         # earlier request's id (a thread that chose its cell) is shown on that request.
         self.recent_requests: collections.OrderedDict[str, _EventTranslator] = collections.OrderedDict()
         self.debug_event_budget = DEBUG_EVENT_BUDGET
+        # Each subshell's execute_requests being handled (see delete_subshell_request);
+        # they are handled in the subshells' threads, the deletion in the control thread.
+        self.subshell_requests: dict[str, set[concurrent.futures.Future[None]]] = {}
+        self.subshell_requests_lock = threading.Lock()
+        # The count each execute_input showed, by request, until its do_execute takes it.
+        self.announced_counts: dict[str, int] = {}
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -236,6 +248,8 @@ class SandboxKernel(Kernel):
         """Every execute_request gets its reply, whatever is raised on the way."""
         parent = self.get_parent()  # shell's or control's, by the thread we are on
         request = REQUEST_PARENT.set(parent)
+        count = CELL_COUNT.set(self.announced_counts.pop(parent.get("header", {}).get("msg_id"),
+                                                         self.execution_count))
         self.cells_executing += 1
         try:
             reply = await self._on_main_loop(
@@ -248,10 +262,12 @@ class SandboxKernel(Kernel):
                                "details are in the kernel's log")
         finally:
             self.cells_executing -= 1
+            CELL_COUNT.reset(count)
             REQUEST_PARENT.reset(request)
         if reply["status"] == "error" and not silent and parent["content"].get("stop_on_error", True):
-            super()._abort_queues(parent["header"].get("subshell_id"))
-            self.queues_aborted_early += 1
+            subshell_id = parent["header"].get("subshell_id")
+            super()._abort_queues(subshell_id)
+            self.queues_aborted_early.add(subshell_id)
         return reply
 
     def _abort_queues(self, subshell_id: str | None = None) -> None:
@@ -261,18 +277,31 @@ class SandboxKernel(Kernel):
         (under load a cell run right after an interrupted one came back "aborted"). So it is
         done from do_execute, before the reply leaves, and ipykernel's call after it (made in
         exactly the same cases) finds it done."""
-        if self.queues_aborted_early:
-            self.queues_aborted_early -= 1
+        if subshell_id in self.queues_aborted_early:  # a (sub)shell runs one request at a time
+            self.queues_aborted_early.discard(subshell_id)
             return
         super()._abort_queues(subshell_id)
+
+    def _publish_execute_input(self, code, parent, execution_count):  # type: ignore[no-untyped-def]
+        # Another subshell's request may take the next number before this cell's do_execute starts.
+        self.announced_counts[parent["header"]["msg_id"]] = execution_count
+        super()._publish_execute_input(code, parent, execution_count)
+
+    def cell_count(self) -> int:
+        """The execution count of the cell being handled (see CELL_COUNT)."""
+        return CELL_COUNT.get(self.execution_count)
+
+    def subshell_id(self) -> str | None:
+        """The subshell of the request being handled (None: the main shell)."""
+        subshell_id = self.request_parent().get("header", {}).get("subshell_id")
+        return subshell_id if isinstance(subshell_id, str) else None
 
     async def _execute(self, code: str, silent: bool, store_history: bool,
                        user_expressions: dict[str, Any], allow_stdin: bool) -> dict[str, Any]:
         if not code.strip() and not user_expressions:
             return self._ok()
         if store_history and not silent and self.history:
-            self.history.record(self.execution_count, code)
-        self._allow_stdin = allow_stdin  # ask_frontend checks it
+            self.history.record(self.cell_count(), code)
         out = CellOutput(self._send_iopub, in_place=self._frontend_updates_in_place())
         try:
             session = await self._interruptible(self._ensure_session(out, silent))
@@ -307,6 +336,8 @@ class SandboxKernel(Kernel):
             watch = PIP_COMMAND.search(segment.text) is not None
             refused_before = await self._best_effort(magics.refusals_so_far()) if watch else None
             fields: dict[str, Any] = {"allow_stdin": allow_stdin, "parent_msg_id": self._parent_msg_id()}
+            if self.subshell_id() is not None:
+                fields[protocol.SUBSHELL_ID] = self.subshell_id()
             if index == last_code and user_expressions:
                 fields["user_expressions"] = user_expressions
             reply = await self._run_code(session, segment.text, silent or not segment.text,
@@ -326,7 +357,7 @@ class SandboxKernel(Kernel):
         try:
             done = await session.run_cell(
                 cell_id, code, translate.handle, silent=silent, store_history=store_history,
-                execution_count=self.execution_count if not silent else None,
+                execution_count=self.cell_count() if not silent else None,
                 on_resume=lambda: out.progress(f"Sandbox {session.sandbox_id} was paused: resuming…"),
                 fields=fields)
         except SessionError as exc:
@@ -345,7 +376,7 @@ class SandboxKernel(Kernel):
                 payload.append({"source": "ask_exit", "keepkernel": False})
             return self._ok(payload, _user_expressions_of(done))
         error = translate.last_error or {"ename": "Error", "evalue": "", "traceback": []}
-        return {"status": "error", "execution_count": self.execution_count, **error}
+        return {"status": "error", "execution_count": self.cell_count(), **error}
 
     async def _background_event(self, event: dict[str, Any]) -> None:
         """Runner output between cells: on the last cell's parent, within its output cap."""
@@ -365,13 +396,13 @@ class SandboxKernel(Kernel):
 
     def _ok(self, payload: list[dict[str, Any]] | None = None,
             user_expressions: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"status": "ok", "execution_count": self.execution_count,
+        return {"status": "ok", "execution_count": self.cell_count(),
                 "payload": payload or [], "user_expressions": user_expressions or {}}
 
     def _fail(self, ename: str, message: str) -> dict[str, Any]:
         """One clear line in the cell (no traceback: the user did nothing wrong in Python)."""
         self._send_iopub("stream", {"name": "stderr", "text": f"sandbox-kernel: {message}\n"})
-        return {"status": "error", "execution_count": self.execution_count,
+        return {"status": "error", "execution_count": self.cell_count(),
                 "ename": ename, "evalue": message, "traceback": []}
 
     # -- interrupt, input, completion ------------------------------------------------------
@@ -390,7 +421,7 @@ class SandboxKernel(Kernel):
         give one (no stdin, EOF). Awaited on the shell's loop, never in a thread: a question
         the user interrupted is cancelled here, so no thread is left on the stdin socket
         (zmq sockets are not thread-safe, and such a thread would hold up shutdown)."""
-        if not self._allow_stdin:
+        if not self.request_parent().get("content", {}).get("allow_stdin", False):
             return None
         socket = self.stdin_socket
         while self.session.recv(socket, mode=zmq.NOBLOCK)[1] is not None:
@@ -410,7 +441,10 @@ class SandboxKernel(Kernel):
             await asyncio.sleep(STDIN_POLL)
 
     async def _interruptible(self, work: Coroutine[Any, Any, T]) -> T:
-        """Await work; an interrupt meanwhile raises WaitInterrupted (work is cancelled)."""
+        """Await work; an interrupt meanwhile raises WaitInterrupted (work is cancelled).
+        Not in a subshell: an interrupt is the main shell's (as under ipykernel)."""
+        if self.subshell_id() is not None:
+            return await work
         self.interruptible = task = asyncio.ensure_future(work)
         self.wait_interrupted = False
         try:
@@ -583,9 +617,10 @@ class SandboxKernel(Kernel):
     def kernel_info(self) -> dict[str, Any]:  # type: ignore[override]
         info = super().kernel_info
         # ipykernel lists "debugger" and "kernel subshells" (its own machinery); only what
-        # reaches into the sandbox is advertised: the debugger, where the sandbox has one.
+        # reaches into the sandbox is advertised, where the sandbox has it.
         debugger = self._debugger_available()
-        info["supported_features"] = ["debugger"] if debugger else []
+        info["supported_features"] = (["kernel subshells"] if self._subshells_available() else []) + (
+            ["debugger"] if debugger else [])
         info["debugger"] = debugger
         return info
 
@@ -628,20 +663,96 @@ class SandboxKernel(Kernel):
         self.debug_event_budget -= size
         self.session.send(self.iopub_socket, "debug_event", content, self.get_parent("control"))
 
+    # -- kernel subshells: ipykernel's threads here, and one thread each in the runner ------
+
+    def _subshells_available(self) -> bool:
+        """The runner can run a subshell's cells in a thread of its own (it has IPython), and a
+        channel carries several cells at once (the exec-per-cell fallback does not)."""
+        return (self._supports_kernel_subshells and self._sandbox_ready() and self.sandbox is not None
+                and self.sandbox.channel is not None and self.sandbox.runner_info.get("subshells") is True)
+
+    async def _subshells_ready(self) -> bool:
+        if self.boot is not None and not self.boot.done():
+            boot = self.boot
+            await self._on_main_loop(asyncio.wait([boot], timeout=KERNEL_INFO_WAIT))
+        return self._subshells_available()
+
+    def _subshell_manager_call(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A request to ipykernel's subshell manager, which runs in the shell channel thread
+        (what ipykernel's own handlers send it), and its answer (at once: it only starts or
+        stops a thread)."""
+        manager_socket = self.shell_channel_thread.manager.control_to_shell_channel.from_socket
+        manager_socket.send_json(request)
+        return manager_socket.recv_json()  # type: ignore[no-any-return]
+
+    async def _runner_subshell(self, action: str, subshell_id: str) -> None:
+        assert self.sandbox is not None
+        await self._on_main_loop(self.sandbox.runner_request(
+            {protocol.OP: protocol.SUBSHELL, "action": action, protocol.SUBSHELL_ID: subshell_id}))
+
     async def create_subshell_request(self, socket, ident, parent):  # type: ignore[no-untyped-def]
-        await self._no_subshells(socket, "create_subshell_reply", parent, ident)
+        """ipykernel's subshell (a thread here that handles its shell messages), and its
+        thread in the runner, made before the reply (a cell may count the threads next)."""
+        if not await self._subshells_ready():
+            return self._no_subshells(socket, "create_subshell_reply", parent, ident)
+        reply = self._subshell_manager_call({"type": "create"})
+        if reply.get("status") == "ok":
+            try:
+                await self._runner_subshell("create", reply["subshell_id"])
+            except Exception as exc:  # the runner died or refused: no subshell then
+                self._subshell_manager_call({"type": "delete", "subshell_id": reply["subshell_id"]})
+                reply = {"status": "error", "evalue": f"the sandbox could not start a subshell: {exc}"}
+        self.session.send(socket, "create_subshell_reply", reply, parent, ident=ident)
 
     async def delete_subshell_request(self, socket, ident, parent):  # type: ignore[no-untyped-def]
-        await self._no_subshells(socket, "delete_subshell_reply", parent, ident)
+        """As ipykernel's delete, which joins the subshell's thread: a cell it is running
+        finishes first (and is answered), then the subshell ends, here and in the runner."""
+        if not await self._subshells_ready():
+            return self._no_subshells(socket, "delete_subshell_reply", parent, ident)
+        subshell_id = parent["content"].get("subshell_id")
+        with self.subshell_requests_lock:
+            running = list(self.subshell_requests.get(subshell_id, ()))
+        if running:
+            await asyncio.wait([asyncio.wrap_future(request) for request in running])
+        reply = self._subshell_manager_call({"type": "delete", "subshell_id": subshell_id})
+        if reply.get("status") == "ok":
+            try:
+                await self._runner_subshell("delete", subshell_id)
+            except Exception as exc:  # a runner that died took its threads along
+                log.warning("subshell %s: %s", subshell_id, exc)
+        self.session.send(socket, "delete_subshell_reply", reply, parent, ident=ident)
 
     async def list_subshell_request(self, socket, ident, parent):  # type: ignore[no-untyped-def]
-        await self._no_subshells(socket, "list_subshell_reply", parent, ident)
+        if not await self._subshells_ready():
+            return self._no_subshells(socket, "list_subshell_reply", parent, ident)
+        reply = self._subshell_manager_call({"type": "list"})
+        self.session.send(socket, "list_subshell_reply", reply, parent, ident=ident)
 
-    async def _no_subshells(self, socket: Any, reply_type: str, parent: dict[str, Any], ident: Any) -> None:
-        """Cells run one at a time in the sandbox: subshells are refused, not left unanswered."""
+    def _no_subshells(self, socket: Any, reply_type: str, parent: dict[str, Any], ident: Any) -> None:
+        """No subshells here (yet): refused, not left unanswered."""
+        why = ("the sandbox is not up: a cell shows why" if not self._sandbox_ready() else
+               "they need IPython in the sandbox and a provider with managed processes")
         self.session.send(socket, reply_type, {
             "status": "error", "ename": "NotImplementedError", "traceback": [],
-            "evalue": "sandbox-kernel does not support kernel subshells"}, parent, ident=ident)
+            "evalue": f"sandbox-kernel has no kernel subshells now: {why}"}, parent, ident=ident)
+
+    async def execute_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
+        """ipykernel's; a subshell's request is tracked until answered (see delete_subshell_request)."""
+        subshell_id = parent["header"].get("subshell_id")
+        if not isinstance(subshell_id, str):
+            return await super().execute_request(stream, ident, parent)
+        answered: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self.subshell_requests_lock:
+            self.subshell_requests.setdefault(subshell_id, set()).add(answered)
+        try:
+            return await super().execute_request(stream, ident, parent)
+        finally:
+            answered.set_result(None)
+            with self.subshell_requests_lock:
+                requests = self.subshell_requests.get(subshell_id, set())
+                requests.discard(answered)
+                if not requests:
+                    self.subshell_requests.pop(subshell_id, None)
 
     @property
     def language_info(self) -> dict[str, Any]:  # type: ignore[override]
@@ -747,6 +858,7 @@ class _EventTranslator:
         # context is not the cell's: stdin requests are made in the cell's (ipykernel
         # keeps the parent and its ident in context variables).
         self.parent = kernel.request_parent()
+        self.execution_count = kernel.cell_count()
         self.context = contextvars.copy_context()
         msg_id = self.parent.get("header", {}).get("msg_id")
         if msg_id:
@@ -780,7 +892,7 @@ class _EventTranslator:
         elif kind == "clear_output":
             send(iopub, "clear_output", {"wait": event.get("wait", False)})
         elif kind == "execute_result":
-            send(iopub, "execute_result", {"execution_count": self.kernel.execution_count,
+            send(iopub, "execute_result", {"execution_count": self.execution_count,
                                            "data": event["data"], "metadata": event.get("metadata", {})})
         elif kind == "error":
             self.last_error = {"ename": event["ename"], "evalue": event["evalue"],

@@ -5,8 +5,9 @@ The kernel uploads this file into the sandbox and uses it in two roles:
 
 * ``runner.py serve DIR`` is a persistent daemon that owns the user's Python
   globals. It runs cells one at a time in its main thread (with IPython when
-  importable, with a small ast-based executor otherwise) and keeps every output
-  event of a cell in memory, so a client can read them again from any seq.
+  importable, with a small ast-based executor otherwise), and those of each kernel
+  subshell in a thread of that subshell (IPython only; see Subshell), and keeps every
+  output event of a cell in memory, so a client can read them again from any seq.
 * its clients are ``runner_client.py run|request DIR B64`` (a separate,
   tiny file: it starts once per cell, see there), started through the sandbox's
   exec API (no stdin) for each cell or operation. They talk to the daemon over
@@ -104,7 +105,7 @@ def _import_daemon_modules() -> None:
     global ast, asyncio, builtins, codecs, collections, concurrent, contextvars, getpass, importlib
     global inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
-    global tokenize, traceback, types
+    global tokenize, traceback, types, typing
     import ast
     import asyncio
     import builtins
@@ -129,6 +130,7 @@ def _import_daemon_modules() -> None:
     import tokenize
     import traceback
     import types
+    import typing
 
 
 def _json_default(value: object) -> object:
@@ -167,6 +169,8 @@ class Cell:
         self.comm: dict | None = None  # a frontend's comm message to deliver instead of running code
         self.parent_msg_id: str | None = None  # the frontend request whose output this is
         self.started_count: int | None = None  # the count of its started event, once it runs
+        self.subshell_id: str | None = None  # the kernel subshell it runs in (None: the main shell)
+        self.limit_noticed = False  # whether it was told its output is dropped from now on
         self.stored = False  # whether it takes an execution count (known once it runs)
         self.finished = False
         self._lines: list[bytes] = []
@@ -224,6 +228,7 @@ class BackgroundLog:
 
     def __init__(self) -> None:
         self.budget = OutputBudget(DEFAULT_OUTPUT_LIMIT, DEFAULT_OUTPUT_RATE)
+        self.limit_noticed = False
         self._lines: collections.deque = collections.deque()  # (seq, encoded line)
         self._size = 0
         self.newest = 0
@@ -377,7 +382,10 @@ class OutputRouter:
     most MAX_PENDING characters, so no NDJSON line grows without bound. Each
     cell's OutputBudget caps and paces its output, event by event. Output while
     no cell runs goes to the daemon's log. Output that answers another request than
-    its sink's (see ParentRequests) names that request's msg_id in its event.
+    its sink's (see ParentRequests) names that request's msg_id in its event. A kernel
+    subshell's cell runs in its own thread (see Subshell): what that thread writes or
+    displays goes to that cell; everything else (other threads, subprocesses through the
+    captured fds) to the main shell's cell, or between cells to the background log.
     """
 
     FLUSH_INTERVAL = 0.01
@@ -390,13 +398,14 @@ class OutputRouter:
         self._parents = parents
         self._lock = threading.Lock()
         self._has_pending = threading.Condition(self._lock)
-        self._cell: Cell | None = None
+        self._cell: Cell | None = None  # the main shell's
+        self._thread_cells: dict[int, Cell] = {}  # subshells' cells, by the thread running them
         self._pending_name = ""
         self._pending_parent: str | None = None
+        self._pending_sink: "Cell | BackgroundLog | None" = None
         self._last_flush = 0.0  # when the flusher or an explicit flush last sent pending text
         self._pending: list[str] = []
         self._pending_size = 0
-        self._limit_noticed = False  # whether the current cell was told its output is dropped
         self._pid = os.getpid()  # a process forked by cell code (multiprocessing) is not this one
         # Where output goes while no cell runs, once a channel listens (else: the log).
         self._background: BackgroundLog | None = None
@@ -438,22 +447,37 @@ class OutputRouter:
                 self._background = BackgroundLog()
             return self._background
 
-    def _sink(self) -> "Cell | BackgroundLog | None":
+    def _main_sink(self) -> "Cell | BackgroundLog | None":
         return self._cell if self._cell is not None else self._background
 
+    def _sink(self) -> "Cell | BackgroundLog | None":
+        """Where the calling thread's output goes."""
+        return self._thread_cells.get(threading.get_ident()) or self._main_sink()
+
+    def cell_here(self) -> Cell | None:
+        """The cell whose code the calling thread runs: its subshell's, else the main shell's."""
+        return self._thread_cells.get(threading.get_ident()) or self._cell
+
     def begin(self, cell: Cell) -> None:
+        """The cell runs from now on, in the calling thread if it is a subshell's."""
         with self._lock:
             self._absorb_fd_output()  # earlier output belongs to the log, not to this cell
-            self._cell = cell
-            self._limit_noticed = False
+            if cell.subshell_id is not None:
+                self._thread_cells[threading.get_ident()] = cell
+            else:
+                self._cell = cell
 
-    def end(self) -> None:
+    def end(self, cell: Cell) -> None:
         with self._lock:
             self._absorb_fd_output()
             self._flush()
+            if cell.subshell_id is not None:
+                self._thread_cells.pop(threading.get_ident(), None)
+                return
             if self._background is not None and self._cell is not None:
                 # What runs on after the cell (a thread, a subprocess) shares its cap.
                 self._background.budget = self._cell.budget
+                self._background.limit_noticed = False
             self._cell = None
 
     def write(self, name: str, text: str) -> None:
@@ -467,7 +491,7 @@ class OutputRouter:
         with self._lock:
             if self._capture.has_output():
                 self._absorb_fd_output()
-            self._append(name, text, parent)
+            self._append(name, text, parent, self._sink())
 
     def emit(self, type_: str, **fields: object) -> None:
         """A non-stream event of the current cell (dropped outside cells)."""
@@ -485,10 +509,10 @@ class OutputRouter:
                 return
             size = len(_encode_line(fields))
             if sink.budget.take(size) < size:
-                self._notice_limit()
+                self._notice_limit(sink)
                 return
             sink.emit(type_, **fields)
-            self._pace()
+            self._pace(sink)
 
     def log(self, text: str) -> None:
         _write_all(self._capture.log_fds["stderr"], text.encode("utf-8", "replace"))
@@ -503,24 +527,27 @@ class OutputRouter:
 
     def _absorb_fd_output(self) -> None:
         for name, text in self._capture.read_available():
-            self._append(name, text, self._parents.global_parent)  # no thread of ours wrote it
+            # No thread of ours wrote it: the main shell's.
+            self._append(name, text, self._parents.global_parent, self._main_sink())
 
-    def _append(self, name: str, text: str, parent: str | None) -> None:
+    def _append(self, name: str, text: str, parent: str | None, sink: "Cell | BackgroundLog | None") -> None:
         if not text:
             return
-        if self._sink() is None:
+        if sink is None:
             _write_all(self._capture.log_fds[name], text.encode("utf-8", "replace"))
             return
         if len(text) > self.MAX_PENDING:  # a long write goes in pieces: no event is huge
             for start in range(0, len(text), self.MAX_PENDING):
-                self._append(name, text[start:start + self.MAX_PENDING], parent)
+                self._append(name, text[start:start + self.MAX_PENDING], parent, sink)
             return
-        if self._pending and (name != self._pending_name or parent != self._pending_parent):
+        if self._pending and (name != self._pending_name or parent != self._pending_parent
+                              or sink is not self._pending_sink):
             self._flush()
         if not self._pending:
             self._has_pending.notify()
         self._pending_name = name
         self._pending_parent = parent
+        self._pending_sink = sink
         self._pending.append(text)
         self._pending_size += len(text)
         if self._pending_size >= self.MAX_PENDING:
@@ -534,7 +561,7 @@ class OutputRouter:
         text = "".join(self._pending)
         self._pending = []
         self._pending_size = 0
-        sink = self._sink()
+        sink, self._pending_sink = self._pending_sink, None
         if sink is None:
             return
         allowed = sink.budget.take(len(text))
@@ -542,21 +569,22 @@ class OutputRouter:
             sink.emit("stream", name=self._pending_name, text=text if allowed == len(text) else text[:allowed],
                       **self._parent_field(sink, self._pending_parent))
         if allowed < len(text):
-            self._notice_limit()
-        self._pace()
+            self._notice_limit(sink)
+        self._pace(sink)
 
-    def _notice_limit(self) -> None:
+    @staticmethod
+    def _notice_limit(sink: "Cell | BackgroundLog") -> None:
         """Tell the cell, once, that its output is being dropped from now on."""
-        if not self._limit_noticed:
-            self._limit_noticed = True
-            sink = self._sink()
+        if not sink.limit_noticed:
+            sink.limit_noticed = True
             sink.emit("stream", name="stderr", text=sink.budget.notice())
 
-    def _pace(self) -> None:
+    @staticmethod
+    def _pace(sink: "Cell | BackgroundLog") -> None:
         """Keep the cell to its output rate by waiting here, holding the lock: every
         source of output (print, display, the fd reader and so subprocesses) waits too.
         An interrupt lands in this sleep, or in the wait for the lock, as anywhere."""
-        delay = self._sink().budget.delay()
+        delay = sink.budget.delay()
         if delay:
             time.sleep(delay)
 
@@ -799,7 +827,8 @@ class InputBridge:
     def __init__(self, router: OutputRouter):
         self._router = router
         self._lock = threading.Lock()
-        self._pending: tuple[str, threading.Event, list[str]] | None = None
+        # The questions waiting for an answer, by cell (a subshell's cell may ask too).
+        self._pending: dict[str, tuple[threading.Event, list[str | None]]] = {}
         self._no_stdin = _stdin_not_implemented()
 
     def install(self) -> None:
@@ -809,7 +838,7 @@ class InputBridge:
     def reset_after_fork(self) -> None:
         # A pending question belonged to a cell that did not come along.
         self._lock = threading.Lock()
-        self._pending = None
+        self._pending = {}
 
     # __tracebackhide__ keeps these frames out of IPython tracebacks: an error in
     # input() should point at the user's call, not at the runner.
@@ -824,17 +853,17 @@ class InputBridge:
     def answer(self, cell_id: str, value: str | None) -> bool:
         """Deliver the answer; None means the frontend cannot answer (input() raises EOFError)."""
         with self._lock:
-            if self._pending is None or self._pending[0] != cell_id:
-                return False
-            _, answered, box = self._pending
-            self._pending = None
+            question = self._pending.pop(cell_id, None)
+        if question is None:
+            return False
+        answered, box = question
         box.append(value)
         answered.set()
         return True
 
     def _ask(self, prompt: str, password: bool) -> str:
         __tracebackhide__ = True
-        cell = self._router.current_cell
+        cell = self._router.cell_here()
         if cell is None:
             raise EOFError("input is only available while a cell runs")
         if not cell.allow_stdin:  # the execute_request said so: fail at once, as ipykernel does
@@ -842,13 +871,13 @@ class InputBridge:
         answered = threading.Event()
         box: list[str | None] = []
         with self._lock:
-            self._pending = (cell.cell_id, answered, box)
+            self._pending[cell.cell_id] = (answered, box)
         try:
             self._router.emit("input_request", prompt=prompt, password=password)
             answered.wait()
         finally:
             with self._lock:
-                self._pending = None
+                self._pending.pop(cell.cell_id, None)
         if box[0] is None:
             raise EOFError("input() is not available: this frontend does not accept input")
         return box[0]
@@ -865,14 +894,18 @@ def _stdin_not_implemented() -> type:
 
 
 class CellTask:
-    """The asyncio task of the cell running now, while it awaits (top-level await), so
-    that an interrupt can cancel it (Daemon._on_interrupt)."""
+    """The asyncio task of the main shell's cell running now, while it awaits (top-level
+    await), so that an interrupt can cancel it (Daemon._on_interrupt). A subshell's cell
+    (in another thread) is not interrupted, as under ipykernel, where SIGINT reaches only
+    the main thread."""
 
     current: "asyncio.Future | None" = None
 
     @classmethod
     async def run(cls, coroutine) -> object:
         task = asyncio.ensure_future(coroutine)
+        if threading.current_thread() is not threading.main_thread():
+            return await task
         cls.current = task
         try:
             return await task
@@ -1558,22 +1591,79 @@ class Channel:
 
 
 
+class CellQueue:
+    """Submitted cells, run one at a time, in order, on the event loop of one thread."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Cell | None] = queue.Queue()
+        self._wake: "typing.Callable[[], None] | None" = None  # set once serve() runs
+
+    def put(self, cell: "Cell | None") -> None:
+        """Queue a cell (from any thread); None ends serve() once the cells before it ran."""
+        self._queue.put(cell)
+        wake = self._wake
+        if wake is not None:
+            wake()
+
+    async def serve(self, execute: "typing.Callable[[Cell], typing.Awaitable[None]]") -> None:
+        loop = asyncio.get_running_loop()
+        queued = asyncio.Event()
+        self._wake = lambda: loop.call_soon_threadsafe(queued.set)
+        while True:
+            try:
+                cell = self._queue.get_nowait()
+            except queue.Empty:
+                await queued.wait()
+                queued.clear()
+                continue
+            if cell is None:
+                return
+            await execute(cell)
+            await asyncio.sleep(0)  # tasks the cell started take a step before the next cell
+
+
+class Subshell:
+    """A kernel subshell (ipykernel 7): its own thread, where its cells run one at a time
+    on its own event loop, concurrently with the main thread's and other subshells'. The
+    IPython shell and the user's namespace are shared, as under ipykernel."""
+
+    def __init__(self, subshell_id: str, execute: "typing.Callable[[Cell], typing.Awaitable[None]]") -> None:
+        self.subshell_id = subshell_id
+        self.cells = CellQueue()
+        self._execute = execute
+        self.thread = threading.Thread(target=self._serve, name="subshell-" + subshell_id, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self.cells.serve(self._execute))
+        finally:
+            loop.close()
+
+    def end(self) -> None:
+        """After its queued cells (the kernel sends none once it deletes the subshell)."""
+        self.cells.put(None)
+        self.thread.join()
+
+
 class Daemon:
     """Holds the user's session: accepts clients on the unix socket in
     background threads and runs queued cells one by one in the main thread
     (required for signal-based KeyboardInterrupt), on an asyncio event loop that
-    runs in and between cells, as under ipykernel."""
+    runs in and between cells, as under ipykernel; a kernel subshell's cells in its
+    own thread (Subshell), which an interrupt does not reach, as under ipykernel."""
 
     def __init__(self, state_dir: str):
         self.set_state_dir(state_dir)
         self._cells: dict[str, Cell] = {}  # in submission order
-        self._queue: queue.Queue[Cell] = queue.Queue()
+        self._queue = CellQueue()  # the main shell's
+        self._subshells: dict[str, Subshell] = {}
         self._lock = threading.Lock()
         self._running: Cell | None = None
         self._main_thread = threading.get_ident()
-        # The main thread's event loop, and how a submitted cell wakes it (_main_loop).
-        self._loop: asyncio.AbstractEventLoop
-        self._cell_queued: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop  # the main thread's (_main_loop)
         self._server: socket.socket | None = None
         self._connections: set = set()  # open client connections (a forked child closes its copies)
         self.registration_path: str | None = None
@@ -1619,7 +1709,7 @@ class Daemon:
         self._loop_files = _event_loop_files()
         loop = self._loop
         asyncio.set_event_loop(loop)
-        cells = loop.create_task(self._run_cells())
+        cells = loop.create_task(self._queue.serve(self._execute))
         while True:
             try:
                 loop.run_until_complete(cells)
@@ -1627,19 +1717,7 @@ class Daemon:
                 # Landed in a task of the user's while an async cell awaited: that task
                 # ends with it; the loop and the cell go on.
                 if cells.done():
-                    cells = loop.create_task(self._run_cells())
-
-    async def _run_cells(self) -> None:
-        self._cell_queued = asyncio.Event()
-        while True:
-            try:
-                cell = self._queue.get_nowait()
-            except queue.Empty:
-                await self._cell_queued.wait()
-                self._cell_queued.clear()
-                continue
-            await self._execute(cell)
-            await asyncio.sleep(0)  # tasks the cell started take a step before the next cell
+                    cells = loop.create_task(self._queue.serve(self._execute))
 
     def _create_engine(self):
         use_ipython = os.environ.get(NO_IPYTHON_ENV) != "1" and _importable("IPython")
@@ -1668,6 +1746,8 @@ class Daemon:
             "implementation": platform.python_implementation(),
             "ipython_version": self.engine.ipython_version,
             "debugger": self.debugger is not None,
+            # Subshell threads run cells with IPython's run_cell, as ipykernel's do.
+            "subshells": isinstance(self.engine, IPythonEngine),
         }
 
     def _listen(self) -> socket.socket:
@@ -1715,21 +1795,27 @@ class Daemon:
         text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
         self.router.log("exception in thread %s:\n%s" % (args.thread and args.thread.name, text))
 
-    # --- execution (main thread)
+    # --- execution (the main thread, or a subshell's)
 
     async def _execute(self, cell: Cell) -> None:
         stored = cell.store_history and not cell.silent
         if stored and cell.execution_count is not None:
-            self.engine.execution_count = cell.execution_count
-        count = self.engine.execution_count if stored else self.engine.execution_count - 1
+            self.engine.execution_count = count = cell.execution_count  # the kernel's number for it
+        else:
+            count = self.engine.execution_count if stored else self.engine.execution_count - 1
         cell.started_count, cell.stored = count, stored
         self.router.begin(cell)
-        parent = self.parents.enter(cell.parent_msg_id, between_cells=True)
+        in_main = cell.subshell_id is None
+        # A subshell's cell sets its own thread's parent, not the between-cells one.
+        parent = self.parents.enter(cell.parent_msg_id, between_cells=in_main)
         ok = False
         reply: dict = {}  # for the execute_reply: user_expressions, payload
         try:
             self.router.emit("started", execution_count=count)
-            ok = await self._run_user_code(cell, stored, count)
+            if in_main:
+                ok = await self._run_user_code(cell, stored, count)
+            else:  # no interrupt, no debugger: as in ipykernel's subshell threads
+                ok = await self.engine.run(cell.code, cell.silent, stored, count)
             if ok and cell.user_expressions:
                 reply["user_expressions"] = self.engine.user_expressions(cell.user_expressions)
             payload = self.engine.take_payload()
@@ -1739,7 +1825,7 @@ class Daemon:
             self.router.log("internal error running %s:\n%s" % (cell.cell_id, traceback.format_exc()))
         finally:
             self.parents.leave(parent)
-            self.router.end()
+            self.router.end(cell)
             cell.emit("done", status="ok" if ok else "error", execution_count=count, **reply)
             cell.code = ""  # its events have what matters now
 
@@ -1788,7 +1874,7 @@ class Daemon:
             self.parents.leave(parent)
             if not during_cell:
                 self._stop_running()
-                self.router.end()
+                self.router.end(cell)
             cell.emit("done", status="ok")
             cell.code = ""
 
@@ -1871,6 +1957,8 @@ class Daemon:
                             count if isinstance(count, int) else None, OutputBudget.from_request(request))
                 cell.allow_stdin = bool(request.get("allow_stdin", True))
                 cell.comm = comm_message
+                subshell = self._subshell_of(request) if comm_message is None else None
+                cell.subshell_id = subshell.subshell_id if subshell is not None else None
                 parent_msg_id = request.get("parent_msg_id")
                 cell.parent_msg_id = parent_msg_id if isinstance(parent_msg_id, str) else None
                 expressions = request.get("user_expressions")
@@ -1881,10 +1969,43 @@ class Daemon:
                 if comm_message is not None:
                     self._loop.call_soon_threadsafe(self._deliver_comm, cell)
                 else:
-                    self._queue.put(cell)
-                    if self._cell_queued is not None:
-                        self._loop.call_soon_threadsafe(self._cell_queued.set)
+                    (subshell.cells if subshell is not None else self._queue).put(cell)
         return cell
+
+    def _subshell_of(self, request: dict) -> Subshell | None:
+        """The subshell a run names (None: the main shell); the caller holds self._lock. One
+        this runner does not know was made before it started (the last one died, or this is
+        a fork): its thread starts now. (The kernel sends only ids of subshells it has.)"""
+        subshell_id = request.get(protocol.SUBSHELL_ID)
+        if subshell_id is None:
+            return None
+        return self._subshells.get(subshell_id) or self._start_subshell(subshell_id)
+
+    def _start_subshell(self, subshell_id: object) -> Subshell:
+        """The caller holds self._lock."""
+        if not isinstance(subshell_id, str) or not subshell_id:
+            raise ValueError("a subshell_id must be a non-empty string")
+        if not isinstance(self.engine, IPythonEngine):
+            raise ValueError("subshells need IPython in the sandbox")
+        subshell = self._subshells[subshell_id] = Subshell(subshell_id, self._execute)
+        return subshell
+
+    def _subshell_request(self, request: dict) -> dict:
+        """Create or delete a subshell (the kernel's subshell manager names it); deleting
+        waits for its queued cells, as ipykernel's delete joins the subshell's thread."""
+        action, subshell_id = request.get("action"), request.get(protocol.SUBSHELL_ID)
+        if action == "create":
+            with self._lock:
+                if subshell_id not in self._subshells:
+                    self._start_subshell(subshell_id)
+            return {"ok": True}
+        if action == "delete":
+            with self._lock:
+                subshell = self._subshells.pop(subshell_id, None)
+            if subshell is not None:
+                subshell.end()
+            return {"ok": subshell is not None}
+        raise ValueError("unknown subshell action %r" % (action,))
 
     def _forget_old_cells(self) -> None:
         excess = len(self._cells) - MAX_CELLS
@@ -1914,6 +2035,8 @@ class Daemon:
             if self.debugger is None:
                 raise ValueError("no debugger in this sandbox (it needs IPython and debugpy)")
             return {"response": self.debugger.handle(request.get("request"))}
+        if op == protocol.SUBSHELL:
+            return self._subshell_request(request)
         if op == protocol.FORK:
             return runner_fork.fork(self, request)
         raise ValueError("unknown op %r" % (op,))
@@ -1966,13 +2089,13 @@ class Daemon:
             if not cell.finished:
                 unfinished.append(cell)
         if running is not None:
-            self.router.end()  # its pending output goes in first
+            self.router.end(running)  # its pending output goes in first
         for cell in unfinished:
             cell.abort_after_fork()
             if cell.stored and cell.started_count is not None:  # its number was handed out
                 self.engine.execution_count = max(self.engine.execution_count, cell.started_count + 1)
-        self._queue = queue.Queue()
-        self._cell_queued = None  # the parent's; _main_loop makes the child's
+        self._queue = CellQueue()
+        self._subshells = {}  # their threads stayed in the parent (their cells were ended above)
         self._loop = asyncio.new_event_loop()  # the parent's loop holds the parent's tasks
         self._lock = threading.Lock()
         self._running = None

@@ -16,8 +16,9 @@ the runner refuses is answered by ``{"error": ...}`` with its ``ID`` or ``CELL_I
 # Request ops
 RUN = "run"  # a cell: code (or code_file), cell_id, silent, store_history, execution_count, output
 # limits, allow_stdin, user_expressions, or comm (a frontend's comm message to deliver instead of code),
-# parent_msg_id (the frontend request it answers: ipywidgets' Output widget captures by it); a run of a
-# cell already submitted only follows it, from `after` (the exec-per-cell transport's reconnect)
+# parent_msg_id (the frontend request it answers: ipywidgets' Output widget captures by it), subshell_id
+# (the kernel subshell whose thread runs it; absent: the main thread); a run of a cell already submitted
+# only follows it, from `after` (the exec-per-cell transport's reconnect)
 INTERRUPT = "interrupt"
 INPUT = "input"  # the answer to an input_request: cell_id, value, eof
 COMPLETE = "complete"
@@ -28,6 +29,7 @@ FORK = "fork"  # the local agent's, not the kernel's
 USAGE = "usage"  # the sandbox's CPU and memory, for usage_reply
 COMM_INFO = "comm_info"  # the comms open in the sandbox: target_name (optional)
 DEBUG = "debug"  # a frontend's DAP request (request) for the debugger; answered {"response": ...}
+SUBSHELL = "subshell"  # action create|delete, subshell_id: a kernel subshell's thread in the runner
 CHANNEL = "channel"  # first line of a relay's connection: many requests follow on it
 # Handled at once on a channel, never queued behind a completion (they need no answer).
 IMMEDIATE_OPS = (INTERRUPT, INPUT, SHUTDOWN)
@@ -43,6 +45,7 @@ TYPE = "type"
 ERROR = "error"
 AFTER = "after"
 BACKGROUND_AFTER = "background_after"
+SUBSHELL_ID = "subshell_id"
 # On an output event: the msg_id of the request it answers, when not its cell's (a thread that
 # chose its parent with set_thread_parent, a task an earlier cell started)
 PARENT = "parent"

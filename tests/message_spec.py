@@ -29,6 +29,13 @@ CONTENT: dict[str, dict[str, Any]] = {
     "debug_reply": {"type": ("response",), "success": bool, "command": str, "request_seq": int},
     "debug_event": {"type": ("event",), "event": str, "seq": int},
 }
+# Kernel subshells (JEP 91): the replies on the control channel, when their status is "ok"
+# (an error reply has status "error" and evalue).
+SUBSHELL_REPLIES: dict[str, dict[str, Any]] = {
+    "create_subshell_reply": {"subshell_id": str},
+    "delete_subshell_reply": {},
+    "list_subshell_reply": {"subshell_id": list},
+}
 PAYLOADS: dict[str, dict[str, Any]] = {
     "page": {"data": dict, "start": int},
     "set_next_input": {"text": str, "replace": bool},
@@ -85,6 +92,11 @@ def validate(msg: dict[str, Any]) -> None:
     assert msg["msg_type"] == msg_type
     if msg_type == "execute_reply":
         _check_execute_reply(content)
+    elif msg_type in SUBSHELL_REPLIES:
+        _check_fields(msg_type, content, {"status": ("ok", "error")})
+        _check_fields(msg_type, content, SUBSHELL_REPLIES[msg_type] if content["status"] == "ok" else {"evalue": str})
+        if msg_type == "list_subshell_reply" and content["status"] == "ok":
+            assert all(isinstance(item, str) for item in content["subshell_id"]), f"{msg_type}: ids must be str"
     elif msg_type in CONTENT:
         _check_fields(msg_type, content, CONTENT[msg_type])
         if "data" in CONTENT[msg_type]:

@@ -96,14 +96,12 @@ def test_a_slow_start_shows_progress_that_becomes_the_ready_line(
 
 # -- 2. kernel_info says only what works ----------------------------------------------------
 
-def test_kernel_info_advertises_no_subshells(kc: BlockingKernelClient) -> None:
+def test_kernel_info_advertises_what_works(kc: BlockingKernelClient) -> None:
     info = kc.kernel_info(reply=True, timeout=TIMEOUT)
     validate(info)
-    # The debugger is there (test_debugger.py); subshells are not.
-    assert info["content"]["supported_features"] == ["debugger"]
-    # Requests for subshells are answered (unsuccessfully), not left to time out.
-    subshell = control(kc, "create_subshell_request", {})["content"]
-    assert subshell["status"] == "error" and subshell["ename"] == "NotImplementedError"
+    # As ipykernel lists them: subshells (test_subshells.py) and the debugger (test_debugger.py).
+    assert info["content"]["supported_features"] == ["kernel subshells", "debugger"]
+    assert control(kc, "list_subshell_request", {})["content"] == {"status": "ok", "subshell_id": []}
 
 
 # -- 3. user_expressions --------------------------------------------------------------------

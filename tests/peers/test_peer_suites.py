@@ -33,11 +33,9 @@ SUITES = {suite.name: suite for suite in (
     PeerSuite("jupyter_kernel_test", ("kernel_tests_python.py",), ("--timeout=60",)),
     # The files whose tests start kernels with jupyter_client and talk to them (the rest of
     # ipykernel's suite drives its classes in-process), under its own pytest config
-    # (per-test timeout 30 s, warnings are errors). Not test_subshells.py: this kernel has no
-    # subshells (and does not advertise them); its tests would only wait for replies that
-    # never come. Add it with the feature.
+    # (per-test timeout 30 s, warnings are errors).
     PeerSuite("ipykernel", ("tests/test_message_spec.py", "tests/test_kernel.py",
-                            "tests/test_async.py", "tests/test_debugger.py")),
+                            "tests/test_async.py", "tests/test_debugger.py", "tests/test_subshells.py")),
     # Under its own pytest config (warnings are errors). TestRunCell feeds canned messages to
     # a mock client: no kernel in it.
     PeerSuite("nbclient", ("tests/test_client.py",), ("-k", "not TestRunCell", "--timeout=120")),
