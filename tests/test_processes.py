@@ -24,6 +24,7 @@ from createos.models import (
     RunCommandRequest,
 )
 
+from sandbox_kernel.local.guest.processes import WINDOW_BYTES
 from sandbox_kernel.local.service import EngineEndpoint
 
 
@@ -155,7 +156,7 @@ def test_window_overflow_gives_oldest_available_seq(sandbox: SandboxInstance) ->
     waited = procs.wait(started.process_id, ManagedProcessWaitOptions(wait_timeout=30))
     assert waited.leader_exited
     window = procs.get(started.process_id).output
-    assert window.oldest_sequence > 1 and window.bytes <= 1 << 20  # 3.2 MB written, 1 MiB kept
+    assert window.oldest_sequence > 1 and window.bytes <= WINDOW_BYTES  # 3.2 MB written, 2 MiB kept
     with procs.connect(started.process_id) as stream:
         events = list(stream)
     assert events[0].oldest_available_sequence == events[0].sequence == window.oldest_sequence
