@@ -46,9 +46,10 @@ import termios
 import threading
 import time
 
-# Retained output per process: the kernel's relay keeps at most runner_client.CHANNEL_WINDOW
-# (1.5 MiB) unacknowledged, which must stay within it whatever the chunk sizes.
-WINDOW_BYTES = 2 << 20
+# Retained output per process: the kernel's relay writes at most runner_client.CHANNEL_WINDOW
+# (3.5 MiB) ahead of the kernel's acknowledgements, which must stay within it. Charged to
+# the sandbox's memory (at most MAX_PROCESSES windows).
+WINDOW_BYTES = 4 << 20
 CHUNK_OVERHEAD = 128  # bytes each retained chunk is charged beyond its data (deque slot, bytes object)
 MAX_PROCESSES = 32
 MAX_COMMAND_LINE = 64 * 1024  # cmd + args + cwd, in characters: every description repeats them
