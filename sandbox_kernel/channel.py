@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from . import runner_protocol as protocol
-from .runner_client import CHANNEL_WINDOW
 from .api import (
     APITransportError,
     BoundedLines,
@@ -59,6 +58,7 @@ from .api import (
     SandboxClient,
     ServerError,
 )
+from .runner_client import CHANNEL_WINDOW
 
 log = logging.getLogger("sandbox_kernel.channel")
 
