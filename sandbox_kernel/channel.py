@@ -58,15 +58,16 @@ from .api import (
     SandboxClient,
     ServerError,
 )
+from .runner_client import CHANNEL_WINDOW
 
 log = logging.getLogger("sandbox_kernel.channel")
 
 EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
-# Acknowledge the relay's output every this many bytes: half its window
-# (runner_client.CHANNEL_WINDOW), the other half covering the acknowledgement's trip. Each
-# one is an API call, the costliest step of a long print per byte on the kernel's side and
-# the engine's (a quarter window made twice as many, for no gain in flow).
-ACK_EVERY = 384 * 1024
+# Acknowledge the relay's output every this many bytes: half its window, the other half
+# covering the acknowledgement's trip. Each one is an API call, the costliest step of a
+# long print per byte on the kernel's side and the engine's (a quarter window made twice
+# as many, for no gain in flow).
+ACK_EVERY = CHANNEL_WINDOW // 2
 RECONNECT_DELAYS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
 REQUEST_TIMEOUT = 60.0  # seconds a one-shot request (complete, inspect, info) may take
 # Relays replaced in a row with no output from any of them: past this, the channel ends

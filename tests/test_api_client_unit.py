@@ -997,3 +997,13 @@ def test_bounded_lines_drop_what_passes_the_limit_and_count_it() -> None:
     last = lines.feed("y\nok\n")
     assert isinstance(last[0], OversizedLine) and last[0].size == 103 and last[1:] == ["ok"]
     assert lines.feed("tail") == [] and lines.close() == "tail" and lines.close() == ""
+
+
+def test_stream_reads_are_widened_to_what_a_busy_stream_holds() -> None:
+    """Importing the client widens httpcore's reads (see _STREAM_READ_BYTES): an httpcore that
+    drops or renames the knob would silently give back a quarter of a long print's speed."""
+    import httpcore
+
+    from sandbox_kernel.api import client
+
+    assert httpcore.AsyncHTTP11Connection.READ_NUM_BYTES >= client._STREAM_READ_BYTES

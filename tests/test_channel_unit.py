@@ -302,9 +302,10 @@ async def test_a_relay_killed_again_and_again_ends_the_channel_but_not_the_runne
 
 async def test_output_is_acknowledged_so_the_relay_can_write_on() -> None:
     big = "y" * 100_000
+    events = 2 * ACK_EVERY // len(big) + 1  # enough output for two acknowledgements
     process = ScriptedProcess(lambda request: [
-        {"cell": "c1", "seq": i + 1, "type": "stream", "name": "stdout", "text": big} for i in range(5)
-    ] + [{"cell": "c1", "seq": 6, "type": "done", "status": "ok"}] if request.get("op") == "run" else [],
+        {"cell": "c1", "seq": i + 1, "type": "stream", "name": "stdout", "text": big} for i in range(events)
+    ] + [{"cell": "c1", "seq": events + 1, "type": "done", "status": "ok"}] if request.get("op") == "run" else [],
         chunk=64 * 1024)
     recorder = Recorder()
     channel = await open_channel(process, recorder)

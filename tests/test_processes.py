@@ -24,6 +24,7 @@ from createos.models import (
     RunCommandRequest,
 )
 
+from sandbox_kernel.local.guest.processes import WINDOW_BYTES
 from sandbox_kernel.local.service import EngineEndpoint
 
 
@@ -151,16 +152,17 @@ def test_python_reading_a_tty_and_ctrl_c(sandbox: SandboxInstance) -> None:
 
 def test_window_overflow_gives_oldest_available_seq(sandbox: SandboxInstance) -> None:
     procs = sandbox.processes
-    started = procs.create(python("import sys\nfor i in range(400): sys.stdout.write(str(i).rjust(8) * 1000 + '\\n')"))
+    lines = 2 * WINDOW_BYTES // 8001  # twice what is kept
+    started = procs.create(python(f"import sys\nfor i in range({lines}): sys.stdout.write(str(i).rjust(8) * 1000 + '\\n')"))
     waited = procs.wait(started.process_id, ManagedProcessWaitOptions(wait_timeout=30))
     assert waited.leader_exited
     window = procs.get(started.process_id).output
-    assert window.oldest_sequence > 1 and window.bytes <= 1 << 20  # 3.2 MB written, 1 MiB kept
+    assert window.oldest_sequence > 1 and window.bytes <= WINDOW_BYTES
     with procs.connect(started.process_id) as stream:
         events = list(stream)
     assert events[0].oldest_available_sequence == events[0].sequence == window.oldest_sequence
     assert all(e.oldest_available_sequence == 0 for e in events[1:])
-    assert b"".join(e.data for e in events).endswith(b"     399" * 1000 + b"\n")
+    assert b"".join(e.data for e in events).endswith(str(lines - 1).rjust(8).encode() * 1000 + b"\n")
     assert events[-1].type == "exit"
 
 

@@ -1,18 +1,24 @@
 """The engine's pass-through of a managed process's frames (local/processes.py `_relay`),
-fed frames exactly as the agent writes them (guest/agent.py `frame`): no engine, no sandbox."""
+fed frames exactly as the agent writes them (guest/processes.py `data_frame`, guest/agent.py
+`frame`): no engine, no sandbox. And the window sizes the kernel's relay relies on."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
 from sandbox_kernel.local import processes
+from sandbox_kernel.runner_client import CHANNEL_WINDOW
 
 sys.path.insert(0, str(Path(processes.__file__).parent / "guest"))
 from agent import frame  # noqa: E402 (the agent is a script beside its own modules)
+from processes import CHUNK_OVERHEAD, READ_CHUNK, WINDOW_BYTES, data_frame  # noqa: E402
 
 
 class CountingSandbox:
@@ -37,13 +43,31 @@ async def relayed(frames: list[bytes]) -> tuple[list[dict], int]:
 
 
 async def test_data_frames_are_activity_and_pass_unchanged() -> None:
-    data = [frame({"type": "data", "seq": n, "stream": "stdout", "data_base64": "eA=="}) for n in (1, 2)]
+    data = [data_frame(n, "stdout", b"x", None) for n in (1, 2)]
     lines, touches = await relayed([*data, frame({"type": "exit", "seq": 2, "exit_code": 0, "signal": None})])
     assert [line["type"] for line in lines] == ["data", "data", "exit"]
     assert touches == 2
 
 
 async def test_a_stream_that_ends_without_exit_gets_an_error_frame() -> None:
-    lines, touches = await relayed([frame({"type": "data", "seq": 1, "stream": "stderr", "data_base64": ""})])
+    lines, touches = await relayed([data_frame(1, "stderr", b"", None)])
     assert [line["type"] for line in lines] == ["data", "error"]
     assert touches == 1
+
+
+@pytest.mark.parametrize("data", [b"", b"x", "é\n€".encode(), bytes(range(256)) * 1024])
+@pytest.mark.parametrize("oldest", [None, 7])
+def test_data_frames_are_the_compact_json_of_their_fields(data: bytes, oldest: int | None) -> None:
+    """The agent spells data frames out by hand: they must be what its JSON encoder writes."""
+    fields = {"type": "data", "seq": 9, "stream": "stdout", "data_base64": base64.b64encode(data).decode()}
+    if oldest is not None:
+        fields["oldest_available_seq"] = oldest
+    assert data_frame(9, "stdout", data, oldest) == frame(fields)
+    assert data_frame(9, "stdout", data, oldest).startswith(processes.DATA_FRAME)
+
+
+def test_the_relays_window_fits_in_what_the_agent_retains() -> None:
+    """What the kernel has not acknowledged is still retained by the agent, so a reconnect
+    replays it: the relay's window plus one whole chunk (the agent drops whole chunks) and
+    the chunks' charge, for chunks no smaller than 4 KiB."""
+    assert CHANNEL_WINDOW + READ_CHUNK + (CHANNEL_WINDOW // 4096 + 1) * CHUNK_OVERHEAD <= WINDOW_BYTES

@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Mapping, Sequence, TypeVar
 from urllib.parse import quote, urlsplit
 
+import httpcore
 import httpx
 import pydantic
 
@@ -81,6 +82,14 @@ _RETRY_STATUS_IDEMPOTENT = frozenset({408, 429, 500, 502, 503, 504})
 _RETRY_STATUS_ANY = frozenset({429, 503})
 _SSE_SKIP_PREFIXES = (":", "event:", "id:", "retry:")
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+# httpcore receives at most READ_NUM_BYTES (64 KiB) at a time, each read through anyio's
+# timeout scope and h11's parser: a process's output stream of 20 MiB took ~500 reads,
+# whose overhead was a quarter of the kernel's work on it. A read takes what the socket
+# holds, up to this, and never waits for more: larger reads only make fewer of them when
+# the stream is busy. (A class attribute of httpcore's; left alone if it is ever gone.)
+_STREAM_READ_BYTES = 256 * 1024
+if getattr(httpcore.AsyncHTTP11Connection, "READ_NUM_BYTES", _STREAM_READ_BYTES) < _STREAM_READ_BYTES:
+    httpcore.AsyncHTTP11Connection.READ_NUM_BYTES = _STREAM_READ_BYTES
 #: longest NDJSON line of an exec or process stream accepted from the service (CreateOS sends small frames; the local
 #: engine's are at most about 400 KiB): a longer one is a broken stream, never buffered whole
 MAX_FRAME_LINE = 4 * 1024 * 1024

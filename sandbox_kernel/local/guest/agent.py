@@ -326,11 +326,11 @@ class Agent:
     async def process_connect(self, process, after: int, reader: asyncio.StreamReader,
                               writer: asyncio.StreamWriter) -> None:
         """{"ok": true} then the process's frames until exit, or until the engine hangs up."""
-        async def send(obj: dict) -> None:
-            writer.write(frame(obj))
+        async def send(line: bytes) -> None:
+            writer.write(line)
             await writer.drain()
 
-        await send({"ok": True})
+        await send(frame({"ok": True}))
         streaming = asyncio.ensure_future(self.processes.stream(process, after, send))
         hangup = asyncio.ensure_future(reader.read())  # EOF here = the engine went away
         await asyncio.wait([streaming, hangup], return_when=asyncio.FIRST_COMPLETED)
