@@ -14,7 +14,6 @@ import asyncio
 import base64
 import collections
 import contextvars
-import hashlib
 import json
 import logging
 import signal
@@ -25,18 +24,25 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-import zmq
+if __name__ == "__main__":
+    # Started as a kernel: begin making the sandbox now, while ipykernel is imported
+    # below (about as long). It is taken over in _boot.
+    from sandbox_kernel import early_start
+
+    early_start.begin(sys.argv[1:])
+
+import zmq  # noqa: E402 (after the early start, on purpose)
 from ipykernel.kernelapp import IPKernelApp
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
-from . import __version__, ownership, runner_protocol as protocol
+from . import __version__, early_start, ownership, runner_protocol as protocol
 from .api import SandboxAPIError
 from .config import ConfigError, Settings
 from .history import open_history
 from .magics import PIP_COMMAND, MagicError, SandboxMagics, Segment, split_cell
 from .output import CellOutput, OutputGuard
-from .paths import state_dir, write_private
+from .paths import handoff_path, state_dir, write_private
 from .session import RESTART_HANDOFF_WAIT, SandboxSession, SessionError
 from .shutdown_policy import farewell
 from .usage import usage_reply
@@ -163,7 +169,8 @@ class SandboxKernel(Kernel):
             await self.sandbox.start(attach_to=handoff["sandbox_id"], fresh_runner=True)
             self.sandbox.on_shutdown = handoff.get("on_shutdown", "destroy")
         else:
-            await self.sandbox.start(attach_to=self.settings.attach_to, fresh_runner=False)
+            await self.sandbox.start(attach_to=self.settings.attach_to, fresh_runner=False,
+                                     early=early_start.take())
         if self.settings.on_shutdown:
             self.sandbox.on_shutdown = self.settings.on_shutdown
         log.info("%s", self._ready_line())
@@ -667,10 +674,7 @@ class SandboxKernel(Kernel):
 
     def _handoff_path(self) -> Path | None:
         connection_file = getattr(self.parent, "connection_file", None)
-        if not connection_file:
-            return None
-        key = hashlib.sha256(str(Path(connection_file).resolve()).encode()).hexdigest()[:24]
-        return state_dir() / "handoff" / f"{key}.json"
+        return handoff_path(connection_file) if connection_file else None
 
     def _write_handoff(self, sandbox_id: str, on_shutdown: str, owned: list[str]) -> None:
         path = self._handoff_path()

@@ -36,11 +36,12 @@ from .api import (
     SandboxStatus,
     SandboxView,
 )
-from . import names, ownership, pool, runner_protocol as protocol, shutdown_policy
+from . import early_start, names, ownership, pool, runner_protocol as protocol, shutdown_policy
 from .channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxProcesses
 from .exec_transport import ExecFailed, ExecTransport, RunnerGone, encode_arg
 from .config import Settings, open_client
 from .cost import Cost, Meter
+from .early_start import EarlyStart
 
 log = logging.getLogger("sandbox_kernel.session")
 
@@ -128,16 +129,19 @@ class SandboxSession:
 
     # -- start ----------------------------------------------------------------------------
 
-    async def start(self, attach_to: str | None = None, fresh_runner: bool = True) -> None:
-        """Create a sandbox, or adopt `attach_to` (keeping its runner unless fresh_runner)."""
-        started = time.monotonic()
+    async def start(self, attach_to: str | None = None, fresh_runner: bool = True,
+                    early: EarlyStart | None = None) -> None:
+        """Create a sandbox, or adopt `attach_to` (keeping its runner unless fresh_runner), or
+        take over the one `early` made while the kernel started (early_start.py)."""
+        started = early.started if early else time.monotonic()
         try:
             if self.client is None:
                 self.client = await open_client(self.settings)
             if attach_to:  # an id or a name
                 await self.attach((await self.find(attach_to)).id, fresh_runner=fresh_runner)
-            elif not await self._start_from_pool():
-                await self._create()
+            elif early is None or not await self._take_over(early):
+                if not await self._start_from_pool():
+                    await self._create()
         except SandboxAPIError as exc:
             raise SessionError(f"could not start a sandbox on {self.settings.description}: "
                                f"{exc.user_message()}") from None
@@ -167,6 +171,25 @@ class SandboxSession:
         self.sandbox_id = created.id
         self._track(await client.get_sandbox(created.id))
         await self.start_runner()
+
+    async def _take_over(self, early: EarlyStart) -> bool:
+        """Drive the sandbox made early, its runner serving; False if none was made for
+        these settings (its failure is this start's)."""
+        prepared = await early.prepared()
+        if prepared is None:
+            return False
+        if prepared.settings != self.settings:  # a kernel argument from a Jupyter config file
+            try:
+                await early_start.discard(prepared)
+                ownership.forget(prepared.sandbox_id)
+            except (SandboxAPIError, OSError) as exc:  # still ours: the shutdown policy ends it
+                log.warning("could not destroy the sandbox %s made before the kernel's settings were known: %s",
+                            prepared.sandbox_id, exc)
+            return False
+        self.sandbox_id, self.runner_info = prepared.sandbox_id, prepared.runner_info
+        self._track(await self._client().get_sandbox(prepared.sandbox_id))
+        await self._open_channel()
+        return True
 
     # -- warm pool (pool.py) ----------------------------------------------------------------
 

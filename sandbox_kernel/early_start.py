@@ -1,0 +1,142 @@
+"""Creating the sandbox while the kernel process is still importing ipykernel.
+
+A kernel process spends about half a second importing ipykernel and its own modules and
+setting up its sockets before SandboxKernel.start() runs; creating the sandbox and
+starting its runner take as long again, waiting on the engine and the sandbox. Begun by
+kernel.py's __main__ before it imports ipykernel, on a thread with its own event loop and
+API client, the create and the runner's start overlap the kernel's own start-up.
+SandboxSession.start() then takes the sandbox over on the kernel's loop: its own client,
+and the channel to the runner (the only steps tied to that loop).
+
+Only the plain case starts early: a new sandbox, from the settings of the config file and
+the environment. A kernel restart (its hand-off file is there), kernel arguments on the
+command line, an attach or a warm pool start the usual way. The kernel compares its own
+settings when it takes the sandbox over; if they differ (a kernel argument set in a
+Jupyter config file), the early sandbox is destroyed and a new one made. Either way the
+sandbox is recorded as this process's from its create on (ownership.py), as any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ConfigError, Settings, open_client
+from .paths import handoff_path
+
+log = logging.getLogger("sandbox_kernel.early_start")
+
+KERNEL_ARGUMENT = "--SandboxKernel."
+# The kernel's imports wait (at most this long) until the create is on its way: sharing the
+# interpreter with them would only delay the create, which is the longer of the two.
+SEND_WAIT = 2.0
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A sandbox made early, its runner serving (no channel yet)."""
+
+    settings: Settings
+    sandbox_id: str
+    runner_info: dict[str, Any]
+
+
+class EarlyStart:
+    """One sandbox being made on a thread of its own; `prepared()` awaits it on any loop."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self._result: concurrent.futures.Future[Prepared | None] = concurrent.futures.Future()
+        # Running, so that a boot cancelled while it awaits this cannot cancel it (the
+        # thread sets its result whatever happens).
+        self._result.set_running_or_notify_cancel()
+        self._sending = threading.Event()  # set once the create is sent (or will not be)
+        # A daemon: a kernel that exits meanwhile leaves the create to its ownership trace.
+        threading.Thread(target=self._run, name="sandbox-early-start", daemon=True).start()
+
+    def wait_sending(self, timeout: float = SEND_WAIT) -> None:
+        self._sending.wait(timeout)
+
+    async def prepared(self) -> Prepared | None:
+        """The sandbox made, or None if these settings do not start early; raises what the
+        start raised (a SessionError, as SandboxSession.start would)."""
+        return await asyncio.wrap_future(self._result)
+
+    def _run(self) -> None:
+        try:
+            self._result.set_result(asyncio.run(self._prepare()))
+        except BaseException as exc:  # the kernel's boot reports it, as its own start's
+            self._result.set_exception(exc)
+        finally:
+            self._sending.set()
+
+    async def _prepare(self) -> Prepared | None:
+        try:
+            settings = Settings.from_env()
+        except ConfigError:  # the kernel says it in the first cell
+            return None
+        if settings.attach_to or settings.warm_pool:
+            return None
+        from .session import SandboxSession  # the heavy imports, on this thread
+
+        session = SandboxSession(settings)
+        session.open_channels = False  # the channel lives on the kernel's loop
+        try:
+            session.client = await open_client(settings)
+            # The create's request is built and sent before this thread next lets go of
+            # the interpreter (a wait on the engine).
+            self._sending.set()
+            await session.start()
+        finally:
+            if session.client is not None:
+                await session.client.aclose()
+        assert session.sandbox_id is not None
+        return Prepared(settings, session.sandbox_id, session.runner_info)
+
+
+async def discard(prepared: Prepared) -> None:
+    """Destroy a sandbox made early for settings the kernel does not have."""
+    client = await open_client(prepared.settings)
+    try:
+        await client.delete_sandbox(prepared.sandbox_id)
+    finally:
+        await client.aclose()
+
+
+_pending: EarlyStart | None = None
+
+
+def begin(argv: list[str]) -> None:
+    """Start making the sandbox now, unless this kernel is not a plain new one (see above).
+
+    argv: the kernel's command line (after the module), as jupyter_client gives it.
+    """
+    global _pending
+    if any(arg.startswith(KERNEL_ARGUMENT) for arg in argv):
+        return
+    connection_file = _connection_file(argv)
+    if connection_file is None or handoff_path(connection_file).exists():  # a restart's successor
+        return
+    _pending = EarlyStart()
+    _pending.wait_sending()
+
+
+def take() -> EarlyStart | None:
+    """The early start, once (a boot retried after a failure starts the usual way)."""
+    global _pending
+    early, _pending = _pending, None
+    return early
+
+
+def _connection_file(argv: list[str]) -> str | None:
+    for index, arg in enumerate(argv):
+        if arg == "-f" and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith(("-f=", "--f=")):
+            return arg.split("=", 1)[1]
+    return None
