@@ -57,6 +57,7 @@ SANDBOX_PYTHON = "python3"
 MAX_INLINE_CODE = 64 * 1024
 RUNNER_READY_TIMEOUT = 30.0
 READY_PROBE = 2.0  # seconds one readiness exec may wait in the sandbox
+PROBE_INTERVAL = 0.01  # seconds between its looks for the runner's ready file
 NOT_READY_YET = 3  # its exit status when the runner is still starting
 # The runner's events are lines on its client's stdout, which code in the sandbox can
 # replace: a line longer than the cell's output limit plus this is dropped, never held.
@@ -170,7 +171,7 @@ class SandboxSession:
         ownership.created(name, created.id)
         self.sandbox_id = created.id
         self._track(await client.get_sandbox(created.id))
-        await self.start_runner()
+        await self.start_runner(new_sandbox=True)
 
     async def _take_over(self, early: EarlyStart) -> bool:
         """Drive the sandbox made early, its runner serving; False if none was made for
@@ -284,8 +285,9 @@ class SandboxSession:
             self.sandbox_id, self.runner_info = previous
             raise
 
-    async def start_runner(self) -> None:
-        """Upload the runner's files and start its daemon; an older daemon is stopped first."""
+    async def start_runner(self, new_sandbox: bool = False) -> None:
+        """Upload the runner's files and start its daemon; an older daemon is stopped first
+        (none in a new_sandbox: we just made it)."""
         client, sandbox_id = self._require()
         self._check(await client.exec(sandbox_id, "mkdir", ["-p", RUNNER_DIR]))
         await asyncio.gather(*(client.upload_file(sandbox_id, path, source.read_bytes())
@@ -293,17 +295,18 @@ class SandboxSession:
         # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
         # the shutdown of a daemon that is not there.
         stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({protocol.OP: protocol.SHUTDOWN}))])
-        start = (f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; "
-                 f"nohup setsid {SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR} "
-                 f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
+        start = ("" if new_sandbox else f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; ") + (
+            f"nohup setsid {SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR} "
+            f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
         # Readiness by short execs, none held longer than READY_PROBE (a gateway may cut
         # long ones); a runner that died (no python3, a crash) is reported at once. The
         # first one also starts the runner: one round trip less (30 ms each in the cloud).
-        probe = (f"i=0; while [ $i -lt {int(READY_PROBE * 50)} ]; do "
+        # Each look costs one process (sleep), which takes CPU from the starting runner.
+        probe = (f"pid=$(cat {RUNNER_DIR}/runner.pid); i=0; while [ $i -lt {int(READY_PROBE / PROBE_INTERVAL)} ]; do "
                  f"[ -f {RUNNER_DIR}/ready ] && exec cat {RUNNER_DIR}/ready; "
-                 f"kill -0 $(cat {RUNNER_DIR}/runner.pid) 2>/dev/null || "
+                 f"kill -0 $pid 2>/dev/null || "
                  f"{{ tail -n 20 {RUNNER_DIR}/runner.log >&2; exit 1; }}; "
-                 f"i=$((i+1)); sleep 0.02; done; exit {NOT_READY_YET}")
+                 f"i=$((i+1)); sleep {PROBE_INTERVAL}; done; exit {NOT_READY_YET}")
         deadline = time.monotonic() + RUNNER_READY_TIMEOUT
         script = f"{start}; {probe}"
         while True:
