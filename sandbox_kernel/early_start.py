@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import ownership
 from .config import ConfigError, Settings, open_client
 from .paths import handoff_path
-
-log = logging.getLogger("sandbox_kernel.early_start")
 
 KERNEL_ARGUMENT = "--SandboxKernel."
 # The kernel's imports wait (at most this long) until the create is on its way: sharing the
@@ -41,7 +39,6 @@ SEND_WAIT = 2.0
 class Prepared:
     """A sandbox made early, its runner serving (no channel yet)."""
 
-    settings: Settings
     sandbox_id: str
     runner_info: dict[str, Any]
 
@@ -49,9 +46,10 @@ class Prepared:
 class EarlyStart:
     """One sandbox being made on a thread of its own; `prepared()` awaits it on any loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.started = time.monotonic()
-        self._result: concurrent.futures.Future[Prepared | None] = concurrent.futures.Future()
+        self._result: concurrent.futures.Future[Prepared] = concurrent.futures.Future()
         # Running, so that a boot cancelled while it awaits this cannot cancel it (the
         # thread sets its result whatever happens).
         self._result.set_running_or_notify_cancel()
@@ -62,10 +60,24 @@ class EarlyStart:
     def wait_sending(self, timeout: float = SEND_WAIT) -> None:
         self._sending.wait(timeout)
 
-    async def prepared(self) -> Prepared | None:
-        """The sandbox made, or None if these settings do not start early; raises what the
-        start raised (a SessionError, as SandboxSession.start would)."""
+    async def prepared(self) -> Prepared:
+        """The sandbox made; raises what the start raised (a SessionError, as
+        SandboxSession.start would)."""
         return await asyncio.wrap_future(self._result)
+
+    async def discard(self) -> None:
+        """Destroy the sandbox made, for settings the kernel turned out not to have. One
+        whose start failed half-way is left to the shutdown policy (it is ours all the same)."""
+        try:
+            prepared = await self.prepared()
+        except Exception:
+            return
+        client = await open_client(self.settings)
+        try:
+            await client.delete_sandbox(prepared.sandbox_id)
+        finally:
+            await client.aclose()
+        ownership.forget(prepared.sandbox_id)
 
     def _run(self) -> None:
         try:
@@ -75,37 +87,22 @@ class EarlyStart:
         finally:
             self._sending.set()
 
-    async def _prepare(self) -> Prepared | None:
-        try:
-            settings = Settings.from_env()
-        except ConfigError:  # the kernel says it in the first cell
-            return None
-        if settings.attach_to or settings.warm_pool:
-            return None
-        from .session import SandboxSession  # the heavy imports, on this thread
+    async def _prepare(self) -> Prepared:
+        from .session import SandboxSession  # not at the top: session.py imports this module
 
-        session = SandboxSession(settings)
+        session = SandboxSession(self.settings)
         session.open_channels = False  # the channel lives on the kernel's loop
         try:
-            session.client = await open_client(settings)
-            # The create's request is built and sent before this thread next lets go of
-            # the interpreter (a wait on the engine).
+            session.client = await open_client(self.settings)
+            # What is left before the create is sent needs little of the interpreter:
+            # the kernel's imports may go on.
             self._sending.set()
             await session.start()
         finally:
             if session.client is not None:
                 await session.client.aclose()
         assert session.sandbox_id is not None
-        return Prepared(settings, session.sandbox_id, session.runner_info)
-
-
-async def discard(prepared: Prepared) -> None:
-    """Destroy a sandbox made early for settings the kernel does not have."""
-    client = await open_client(prepared.settings)
-    try:
-        await client.delete_sandbox(prepared.sandbox_id)
-    finally:
-        await client.aclose()
+        return Prepared(session.sandbox_id, session.runner_info)
 
 
 _pending: EarlyStart | None = None
@@ -122,7 +119,13 @@ def begin(argv: list[str]) -> None:
     connection_file = _connection_file(argv)
     if connection_file is None or handoff_path(connection_file).exists():  # a restart's successor
         return
-    _pending = EarlyStart()
+    try:
+        settings = Settings.from_env()
+    except ConfigError:  # the kernel says it in the first cell
+        return
+    if settings.attach_to or settings.warm_pool:
+        return
+    _pending = EarlyStart(settings)
     _pending.wait_sending()
 
 

@@ -36,7 +36,7 @@ from .api import (
     SandboxStatus,
     SandboxView,
 )
-from . import early_start, names, ownership, pool, runner_protocol as protocol, shutdown_policy
+from . import names, ownership, pool, runner_protocol as protocol, shutdown_policy
 from .channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxProcesses
 from .exec_transport import ExecFailed, ExecTransport, RunnerGone, encode_arg
 from .config import Settings, open_client
@@ -174,19 +174,15 @@ class SandboxSession:
         await self.start_runner(new_sandbox=True)
 
     async def _take_over(self, early: EarlyStart) -> bool:
-        """Drive the sandbox made early, its runner serving; False if none was made for
-        these settings (its failure is this start's)."""
-        prepared = await early.prepared()
-        if prepared is None:
-            return False
-        if prepared.settings != self.settings:  # a kernel argument from a Jupyter config file
+        """Drive the sandbox made early, its runner serving (its failure is this start's);
+        False if it was made for other settings."""
+        if early.settings != self.settings:  # a kernel argument from a Jupyter config file
             try:
-                await early_start.discard(prepared)
-                ownership.forget(prepared.sandbox_id)
+                await early.discard()
             except (SandboxAPIError, OSError) as exc:  # still ours: the shutdown policy ends it
-                log.warning("could not destroy the sandbox %s made before the kernel's settings were known: %s",
-                            prepared.sandbox_id, exc)
+                log.warning("could not destroy the sandbox made before the kernel's settings were known: %s", exc)
             return False
+        prepared = await early.prepared()
         self.sandbox_id, self.runner_info = prepared.sandbox_id, prepared.runner_info
         self._track(await self._client().get_sandbox(prepared.sandbox_id))
         await self._open_channel()

@@ -17,7 +17,7 @@ from sandbox_kernel.api import SandboxClient, SandboxStatus
 from sandbox_kernel.config import Settings
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.paths import handoff_path
-from sandbox_kernel.session import SandboxSession
+from sandbox_kernel.session import SandboxSession, SessionError
 
 pytestmark = pytest.mark.slow
 
@@ -63,9 +63,8 @@ def test_no_early_start_for_a_restarted_kernel(tmp_path: Path, monkeypatch: pyte
 
 
 async def test_the_session_drives_the_sandbox_made_early(engine: EngineEndpoint) -> None:
-    early = early_start.EarlyStart()
+    early = early_start.EarlyStart(Settings.from_env())
     prepared = await early.prepared()
-    assert prepared is not None
     session = SandboxSession(Settings.from_env())
     try:
         await session.start(early=early)
@@ -78,15 +77,26 @@ async def test_the_session_drives_the_sandbox_made_early(engine: EngineEndpoint)
 
 
 async def test_a_sandbox_made_for_other_settings_is_destroyed(engine: EngineEndpoint) -> None:
-    early = early_start.EarlyStart()
+    early = early_start.EarlyStart(Settings.from_env())
     prepared = await early.prepared()
-    assert prepared is not None
     session = SandboxSession(replace(Settings.from_env(), shape=SMALL_SHAPE))
     try:
         await session.start(early=early)
         assert session.sandbox_id != prepared.sandbox_id
         assert (await session.view()).shape == SMALL_SHAPE
         assert (await _statuses(engine)).get(prepared.sandbox_id) in (SandboxStatus.DESTROYED, None)
+    finally:
+        await session.shutdown()
+
+
+async def test_a_failed_early_start_for_other_settings_is_not_the_kernels_failure(engine: EngineEndpoint) -> None:
+    early = early_start.EarlyStart(replace(Settings.from_env(), shape="s-64vcpu-1tb"))  # refused by the engine
+    with pytest.raises(SessionError, match="s-64vcpu-1tb"):
+        await early.prepared()
+    session = SandboxSession(Settings.from_env())
+    try:
+        await session.start(early=early)
+        assert await _output(session, "print(6 * 7)") == "42\n"
     finally:
         await session.shutdown()
 
