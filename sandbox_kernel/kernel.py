@@ -32,6 +32,7 @@ if __name__ == "__main__":
     early_start.begin(sys.argv[1:])
 
 import zmq  # noqa: E402 (after the early start, on purpose)
+from ipykernel import kernel_protocol_version
 from ipykernel.kernelapp import IPKernelApp
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
@@ -570,13 +571,15 @@ class SandboxKernel(Kernel):
 
     @property
     def kernel_info(self) -> dict[str, Any]:  # type: ignore[override]
-        info = super().kernel_info
-        # ipykernel lists "debugger" and "kernel subshells" (its own machinery); only what
-        # reaches into the sandbox is advertised: the debugger, where the sandbox has one.
+        # Not ipykernel's: to list "debugger" and "kernel subshells" (its own machinery) it
+        # imports its debugger and debugpy into this process, 65 ms or more on the first
+        # kernel_info, which a starting notebook waits for. Only what reaches into the
+        # sandbox is advertised: the debugger, where the sandbox has one.
         debugger = self._debugger_available()
-        info["supported_features"] = ["debugger"] if debugger else []
-        info["debugger"] = debugger
-        return info
+        return {"protocol_version": kernel_protocol_version, "implementation": self.implementation,
+                "implementation_version": self.implementation_version, "language_info": self.language_info,
+                "banner": self.banner, "help_links": self.help_links,
+                "supported_features": ["debugger"] if debugger else [], "debugger": debugger}
 
     # -- debugger: debugpy in the sandbox (runner_debug.py) --------------------------------
 
