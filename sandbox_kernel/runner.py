@@ -90,10 +90,6 @@ def main(argv: list[str]) -> int:
 
 def serve(state_dir: str) -> int:
     _import_daemon_modules()
-    # Imports look in the working directory first, as in any kernel: '' where Python put
-    # this script's directory (which holds nothing for user code).
-    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
-        sys.path[0] = ""
     Daemon(os.path.abspath(state_dir)).serve_forever()
     return 0
 
@@ -101,16 +97,14 @@ def serve(state_dir: str) -> int:
 def _import_daemon_modules() -> None:
     """Import the modules the daemon needs (kept out of the module level since clients
     once ran this file too; runner_client.py is the client now)."""
-    global ast, asyncio, builtins, codecs, collections, concurrent, contextvars, getpass, importlib
+    global ast, builtins, codecs, collections, contextvars, getpass, importlib
     global inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
     global tokenize, traceback, types
     import ast
-    import asyncio
     import builtins
     import codecs
     import collections
-    import concurrent.futures
     import contextvars
     import getpass
     import importlib.machinery
@@ -129,6 +123,23 @@ def _import_daemon_modules() -> None:
     import tokenize
     import traceback
     import types
+
+
+def _import_loop_modules() -> None:
+    """asyncio (with concurrent.futures), the largest of the daemon's imports: only the
+    engine and the loop cells run on need it, so it comes after the ready file (see
+    Daemon.serve_forever); IPython imports it too."""
+    global asyncio, concurrent
+    import asyncio
+    import concurrent.futures
+
+
+def _look_in_working_directory_first() -> None:
+    """Imports look in the working directory first, as in any kernel: '' where Python put
+    this script's directory (which holds nothing for user code). Only once the daemon's
+    own imports above are done: no file of the user's may stand in for one of them."""
+    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+        sys.path[0] = ""
 
 
 def _json_default(value: object) -> object:
@@ -1605,6 +1616,8 @@ class Daemon:
         # last steps (its channel to us, the frontend's kernel_info) overlap it, and its
         # requests wait for it here.
         self._start_serving()
+        _import_loop_modules()
+        _look_in_working_directory_first()
         self.engine = self._create_engine()
         self.inputs = InputBridge(self.router)
         self.inputs.install()
