@@ -117,11 +117,11 @@ def begin(argv: list[str]) -> None:
     if any(arg.startswith(KERNEL_ARGUMENT) for arg in argv):
         return
     connection_file = _connection_file(argv)
-    if connection_file is None or handoff_path(connection_file).exists():  # a restart's successor
-        return
     try:
+        if connection_file is None or handoff_path(connection_file).exists():  # a restart's successor
+            return
         settings = Settings.from_env()
-    except ConfigError:  # the kernel says it in the first cell
+    except (ConfigError, OSError):  # the kernel's own start says it, in the first cell
         return
     if settings.attach_to or settings.warm_pool:
         return

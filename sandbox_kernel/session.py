@@ -179,7 +179,7 @@ class SandboxSession:
         if early.settings != self.settings:  # a kernel argument from a Jupyter config file
             try:
                 await early.discard()
-            except (SandboxAPIError, OSError) as exc:  # still ours: the shutdown policy ends it
+            except (SandboxAPIError, OSError, RuntimeError) as exc:  # still ours: the shutdown policy ends it
                 log.warning("could not destroy the sandbox made before the kernel's settings were known: %s", exc)
             return False
         prepared = await early.prepared()
