@@ -6,14 +6,14 @@ starting its runner take as long again, waiting on the engine and the sandbox. B
 kernel.py's __main__ before it imports ipykernel, on a thread with its own event loop and
 API client, the create and the runner's start overlap the kernel's own start-up.
 SandboxSession.start() then takes the sandbox over on the kernel's loop: its own client,
-and the channel to the runner (the only steps tied to that loop).
+the channel to the runner and the warm pool's top-up (the steps tied to that loop).
 
-Only the plain case starts early: a new sandbox, from the settings of the config file and
-the environment. A kernel restart (its hand-off file is there), kernel arguments on the
-command line, an attach or a warm pool start the usual way. The kernel compares its own
-settings when it takes the sandbox over; if they differ (a kernel argument set in a
+Only the plain case starts early: a new sandbox or one of the warm pool, from the settings
+of the config file and the environment. A kernel restart (its hand-off file is there),
+kernel arguments on the command line or an attach start the usual way. The kernel compares
+its own settings when it takes the sandbox over; if they differ (a kernel argument set in a
 Jupyter config file), the early sandbox is destroyed and a new one made. Either way the
-sandbox is recorded as this process's from its create on (ownership.py), as any other.
+sandbox is recorded as this process's from its create (or claim) on (ownership.py).
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class EarlyStart:
         from .session import SandboxSession  # not at the top: session.py imports this module
 
         session = SandboxSession(self.settings)
-        session.open_channels = False  # the channel lives on the kernel's loop
+        # The channel and the warm pool's top-up live on the kernel's loop.
+        session.open_channels = session.refill_pool = False
         try:
             session.client = await open_client(self.settings)
             # What is left before the create is sent needs little of the interpreter:
@@ -123,7 +124,7 @@ def begin(argv: list[str]) -> None:
         settings = Settings.from_env()
     except (ConfigError, OSError):  # the kernel's own start says it, in the first cell
         return
-    if settings.attach_to or settings.warm_pool:
+    if settings.attach_to:
         return
     _pending = EarlyStart(settings)
     _pending.wait_sending()

@@ -124,6 +124,9 @@ class SandboxSession:
         # sandbox, so that switching back and forth does not pile them up to the pids limit.
         self.relays_to_end: dict[str, list[RunnerChannel]] = {}
         self.open_channels = True  # False for a warm pool member: its kernel opens one later
+        # False for a session started early on a thread (early_start.py): the kernel's own
+        # session, which takes its sandbox over, tops the warm pool up.
+        self.refill_pool = True
         # Output the runner sends between cells (a background thread's print): the kernel
         # shows it on the last cell's parent.
         self.on_background: EventHandler | None = None
@@ -187,6 +190,7 @@ class SandboxSession:
         # Together: one round trip (30 ms and more to a provider in the cloud), not two.
         view, _ = await asyncio.gather(self._client().get_sandbox(prepared.sandbox_id), self._open_channel())
         self._track(view)
+        self._refill_pool_later()
         return True
 
     # -- warm pool (pool.py) ----------------------------------------------------------------
@@ -211,8 +215,14 @@ class SandboxSession:
                                                if auto_pause is None else
                                                PatchSandboxRequest(auto_pause_after_seconds=auto_pause))
             break
-        self.pool_refill = asyncio.get_running_loop().create_task(self._refill_later(warm))
+        self._refill_pool_later()
         return self.sandbox_id is not None
+
+    def _refill_pool_later(self) -> None:
+        """Top the warm pool up in the background, if one is configured."""
+        if self.settings.warm_pool and not self.settings.name and self.refill_pool:
+            warm = pool.WarmPool.for_settings(self.settings, self.settings.warm_pool)
+            self.pool_refill = asyncio.get_running_loop().create_task(self._refill_later(warm))
 
     async def _refill_later(self, warm: pool.WarmPool) -> None:
         # Let this notebook's first cells have the CPU before sandboxes are made for others.
