@@ -53,7 +53,7 @@ class EarlyStart:
         # Running, so that a boot cancelled while it awaits this cannot cancel it (the
         # thread sets its result whatever happens).
         self._result.set_running_or_notify_cancel()
-        self._sending = threading.Event()  # set once the create is sent (or will not be)
+        self._sending = threading.Event()  # set when the create (or claim) is about to go, or never will
         # A daemon: a kernel that exits meanwhile leaves the create to its ownership trace.
         threading.Thread(target=self._run, name="sandbox-early-start", daemon=True).start()
 
