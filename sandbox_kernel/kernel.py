@@ -15,7 +15,6 @@ import base64
 import collections
 import concurrent.futures
 import contextvars
-import hashlib
 import json
 import logging
 import signal
@@ -27,18 +26,26 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-import zmq
+if __name__ == "__main__":
+    # Started as a kernel: begin making the sandbox now, while ipykernel is imported
+    # below (about as long). It is taken over in _boot.
+    from sandbox_kernel import early_start
+
+    early_start.begin(sys.argv[1:])
+
+import zmq  # noqa: E402 (after the early start, on purpose)
+from ipykernel import kernel_protocol_version
 from ipykernel.kernelapp import IPKernelApp
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
-from . import __version__, ownership, runner_protocol as protocol
+from . import __version__, early_start, ownership, runner_protocol as protocol
 from .api import SandboxAPIError
 from .config import ConfigError, Settings
 from .history import open_history
 from .magics import PIP_COMMAND, MagicError, SandboxMagics, Segment, split_cell
 from .output import CellOutput, OutputGuard
-from .paths import state_dir, write_private
+from .paths import handoff_path, state_dir, write_private
 from .session import RESTART_HANDOFF_WAIT, SandboxSession, SessionError
 from .shutdown_policy import farewell
 from .usage import usage_reply
@@ -176,7 +183,8 @@ class SandboxKernel(Kernel):
             await self.sandbox.start(attach_to=handoff["sandbox_id"], fresh_runner=True)
             self.sandbox.on_shutdown = handoff.get("on_shutdown", "destroy")
         else:
-            await self.sandbox.start(attach_to=self.settings.attach_to, fresh_runner=False)
+            await self.sandbox.start(attach_to=self.settings.attach_to, fresh_runner=False,
+                                     early=early_start.take())
         if self.settings.on_shutdown:
             self.sandbox.on_shutdown = self.settings.on_shutdown
         log.info("%s", self._ready_line())
@@ -615,14 +623,16 @@ class SandboxKernel(Kernel):
 
     @property
     def kernel_info(self) -> dict[str, Any]:  # type: ignore[override]
-        info = super().kernel_info
-        # ipykernel lists "debugger" and "kernel subshells" (its own machinery); only what
-        # reaches into the sandbox is advertised, where the sandbox has it.
+        # Not ipykernel's: to list "debugger" and "kernel subshells" (its own machinery) it
+        # imports its debugger and debugpy into this process, 65 ms or more on the first
+        # kernel_info, which a starting notebook waits for. Only what reaches into the
+        # sandbox is advertised, where the sandbox has it.
         debugger = self._debugger_available()
-        info["supported_features"] = (["kernel subshells"] if self._subshells_available() else []) + (
-            ["debugger"] if debugger else [])
-        info["debugger"] = debugger
-        return info
+        features = (["kernel subshells"] if self._subshells_available() else []) + (["debugger"] if debugger else [])
+        return {"protocol_version": kernel_protocol_version, "implementation": self.implementation,
+                "implementation_version": self.implementation_version, "language_info": self.language_info,
+                "banner": self.banner, "help_links": self.help_links,
+                "supported_features": features, "debugger": debugger}
 
     # -- debugger: debugpy in the sandbox (runner_debug.py) --------------------------------
 
@@ -796,10 +806,7 @@ class SandboxKernel(Kernel):
 
     def _handoff_path(self) -> Path | None:
         connection_file = getattr(self.parent, "connection_file", None)
-        if not connection_file:
-            return None
-        key = hashlib.sha256(str(Path(connection_file).resolve()).encode()).hexdigest()[:24]
-        return state_dir() / "handoff" / f"{key}.json"
+        return handoff_path(connection_file) if connection_file else None
 
     def _write_handoff(self, sandbox_id: str, on_shutdown: str, owned: list[str]) -> None:
         path = self._handoff_path()

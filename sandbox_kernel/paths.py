@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -19,6 +20,13 @@ def state_dir() -> Path:
         path = Path(base) / "sandbox-kernel"
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
+
+
+def handoff_path(connection_file: str) -> Path:
+    """Where a restarting kernel leaves its sandbox for its successor, which jupyter_client
+    starts with the same connection file."""
+    key = hashlib.sha256(str(Path(connection_file).resolve()).encode()).hexdigest()[:24]
+    return state_dir() / "handoff" / f"{key}.json"
 
 
 def write_private(path: Path, text: str) -> None:

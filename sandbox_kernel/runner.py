@@ -91,10 +91,6 @@ def main(argv: list[str]) -> int:
 
 def serve(state_dir: str) -> int:
     _import_daemon_modules()
-    # Imports look in the working directory first, as in any kernel: '' where Python put
-    # this script's directory (which holds nothing for user code).
-    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
-        sys.path[0] = ""
     Daemon(os.path.abspath(state_dir)).serve_forever()
     return 0
 
@@ -102,16 +98,14 @@ def serve(state_dir: str) -> int:
 def _import_daemon_modules() -> None:
     """Import the modules the daemon needs (kept out of the module level since clients
     once ran this file too; runner_client.py is the client now)."""
-    global ast, asyncio, builtins, codecs, collections, concurrent, contextvars, getpass, importlib
+    global ast, builtins, codecs, collections, contextvars, getpass, importlib
     global inspect, io, linecache
     global platform, queue, re, rlcompleter, select, signal, threading, time
     global tokenize, traceback, types, typing
     import ast
-    import asyncio
     import builtins
     import codecs
     import collections
-    import concurrent.futures
     import contextvars
     import getpass
     import importlib.machinery
@@ -131,6 +125,23 @@ def _import_daemon_modules() -> None:
     import traceback
     import types
     import typing
+
+
+def _import_loop_modules() -> None:
+    """asyncio (with concurrent.futures), the largest of the daemon's imports: only the
+    engine and the loop cells run on need it, so it comes after the ready file (see
+    Daemon.serve_forever); IPython imports it too."""
+    global asyncio, concurrent
+    import asyncio
+    import concurrent.futures
+
+
+def _look_in_working_directory_first() -> None:
+    """Imports look in the working directory first, as in any kernel: '' where Python put
+    this script's directory (which holds nothing for user code). Only once the daemon's
+    own imports above are done: no file of the user's may stand in for one of them."""
+    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+        sys.path[0] = ""
 
 
 def _json_default(value: object) -> object:
@@ -1668,6 +1679,10 @@ class Daemon:
         self._connections: set = set()  # open client connections (a forked child closes its copies)
         self.registration_path: str | None = None
         self._usage = UsageMeter()
+        # Set once the engine, its bridges and the debugger exist: the ready file comes
+        # before (serve_forever), and requests wait for this (_serve_connection).
+        self._built = threading.Event()
+        self._use_ipython = os.environ.get(NO_IPYTHON_ENV) != "1" and _importable("IPython")
 
     def set_state_dir(self, state_dir: str) -> None:
         self.state_dir = state_dir
@@ -1684,24 +1699,30 @@ class Daemon:
         _use_workspace_packages()
         sys.stdout = _make_cell_stream(self.router, "stdout", 1)
         sys.stderr = _make_cell_stream(self.router, "stderr", 2)
+        # SIGINT is ignored between cells and a KeyboardInterrupt during them.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda signum, frame: self._exit())
+        # Ready before IPython starts, the longest part of this start: the kernel's own
+        # last steps (its channel to us, the frontend's kernel_info) overlap it, and its
+        # requests wait for it here.
+        self._start_serving()
+        _import_loop_modules()
+        _look_in_working_directory_first()
         self.engine = self._create_engine()
         self.inputs = InputBridge(self.router)
         self.inputs.install()
         self.comms = CommBridge(self.router, self.parents)
-        # Made before serving: a request may schedule work on it (_submit) before it runs.
+        # Made before requests are served: one may schedule work on it (_submit) before it runs.
         self._loop = asyncio.new_event_loop()
         self.debugger = self._create_debugger()
-        # SIGINT is ignored between cells and a KeyboardInterrupt during them.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, lambda signum, frame: self._exit())
-        self._start_serving()
+        self._built.set()
         self._main_loop()
 
     def _start_serving(self) -> None:
         self._server = self._listen()
         threading.Thread(target=self._accept_forever, args=(self._server,), name="accept", daemon=True).start()
         self._write_ready()
-        self._register()
+        self._register()  # a fork the agent asks for meanwhile waits for _built too
 
     def _main_loop(self) -> None:
         """Run queued cells forever on a new event loop. A cell can use the running loop
@@ -1720,11 +1741,10 @@ class Daemon:
                     cells = loop.create_task(self._queue.serve(self._execute))
 
     def _create_engine(self):
-        use_ipython = os.environ.get(NO_IPYTHON_ENV) != "1" and _importable("IPython")
-        inline = use_ipython and _importable("matplotlib_inline")
+        inline = self._use_ipython and _importable("matplotlib_inline")
         # Must be set before user code imports matplotlib.
         os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline" if inline else "Agg"
-        if use_ipython:
+        if self._use_ipython:
             try:
                 return IPythonEngine(self.router, self.parents)
             except Exception:
@@ -1740,15 +1760,17 @@ class Daemon:
             return None
 
     def _info(self) -> dict:
-        return {
-            "pid": os.getpid(),
-            "python_version": platform.python_version(),
-            "implementation": platform.python_implementation(),
-            "ipython_version": self.engine.ipython_version,
-            "debugger": self.debugger is not None,
-            # Subshell threads run cells with IPython's run_cell, as ipykernel's do.
-            "subshells": isinstance(self.engine, IPythonEngine),
-        }
+        """The info op's answer; the ready file's, written while IPython starts, has no
+        ipython_version and tells what the engine will have: the debugger, and subshells
+        (threads that run cells with IPython's run_cell, as ipykernel's do). An IPython
+        that then fails to start, leaving the plain engine, is the one case where it is wrong."""
+        info = {"pid": os.getpid(), "python_version": platform.python_version(),
+                "implementation": platform.python_implementation()}
+        if not self._built.is_set():
+            return dict(info, debugger=self._use_ipython and runner_debug.debugpy_importable(),
+                        subshells=self._use_ipython)
+        return dict(info, ipython_version=self.engine.ipython_version, debugger=self.debugger is not None,
+                    subshells=isinstance(self.engine, IPythonEngine))
 
     def _listen(self) -> socket.socket:
         if os.path.exists(self.socket_path):
@@ -1898,6 +1920,8 @@ class Daemon:
 
     def _serve_connection(self, connection: socket.socket) -> None:
         try:
+            if not self._built.is_set():  # (never waits once set: no lock a fork could copy held)
+                self._built.wait()
             self._serve_request(connection)
         finally:
             self._connections.discard(connection)

@@ -41,6 +41,7 @@ from .channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxPro
 from .exec_transport import ExecFailed, ExecTransport, RunnerGone, encode_arg
 from .config import Settings, open_client
 from .cost import Cost, Meter
+from .early_start import EarlyStart
 
 log = logging.getLogger("sandbox_kernel.session")
 
@@ -56,6 +57,7 @@ SANDBOX_PYTHON = "python3"
 MAX_INLINE_CODE = 64 * 1024
 RUNNER_READY_TIMEOUT = 30.0
 READY_PROBE = 2.0  # seconds one readiness exec may wait in the sandbox
+PROBE_INTERVAL = 0.01  # seconds between its looks for the runner's ready file
 NOT_READY_YET = 3  # its exit status when the runner is still starting
 # The runner's events are lines on its client's stdout, which code in the sandbox can
 # replace: a line longer than the cell's output limit plus this is dropped, never held.
@@ -122,22 +124,28 @@ class SandboxSession:
         # sandbox, so that switching back and forth does not pile them up to the pids limit.
         self.relays_to_end: dict[str, list[RunnerChannel]] = {}
         self.open_channels = True  # False for a warm pool member: its kernel opens one later
+        # False for a session started early on a thread (early_start.py): the kernel's own
+        # session, which takes its sandbox over, tops the warm pool up.
+        self.refill_pool = True
         # Output the runner sends between cells (a background thread's print): the kernel
         # shows it on the last cell's parent.
         self.on_background: EventHandler | None = None
 
     # -- start ----------------------------------------------------------------------------
 
-    async def start(self, attach_to: str | None = None, fresh_runner: bool = True) -> None:
-        """Create a sandbox, or adopt `attach_to` (keeping its runner unless fresh_runner)."""
-        started = time.monotonic()
+    async def start(self, attach_to: str | None = None, fresh_runner: bool = True,
+                    early: EarlyStart | None = None) -> None:
+        """Create a sandbox, or adopt `attach_to` (keeping its runner unless fresh_runner), or
+        take over the one `early` made while the kernel started (early_start.py)."""
+        started = early.started if early else time.monotonic()
         try:
             if self.client is None:
                 self.client = await open_client(self.settings)
             if attach_to:  # an id or a name
                 await self.attach((await self.find(attach_to)).id, fresh_runner=fresh_runner)
-            elif not await self._start_from_pool():
-                await self._create()
+            elif early is None or not await self._take_over(early):
+                if not await self._start_from_pool():
+                    await self._create()
         except SandboxAPIError as exc:
             raise SessionError(f"could not start a sandbox on {self.settings.description}: "
                                f"{exc.user_message()}") from None
@@ -166,7 +174,24 @@ class SandboxSession:
         ownership.created(name, created.id)
         self.sandbox_id = created.id
         self._track(await client.get_sandbox(created.id))
-        await self.start_runner()
+        await self.start_runner(new_sandbox=True)
+
+    async def _take_over(self, early: EarlyStart) -> bool:
+        """Drive the sandbox made early, its runner serving (its failure is this start's);
+        False if it was made for other settings."""
+        if early.settings != self.settings:  # a kernel argument from a Jupyter config file
+            try:
+                await early.discard()
+            except (SandboxAPIError, OSError, RuntimeError) as exc:  # still ours: the shutdown policy ends it
+                log.warning("could not destroy the sandbox made before the kernel's settings were known: %s", exc)
+            return False
+        prepared = await early.prepared()
+        self.sandbox_id, self.runner_info = prepared.sandbox_id, prepared.runner_info
+        # Together: one round trip (30 ms and more to a provider in the cloud), not two.
+        view, _ = await asyncio.gather(self._client().get_sandbox(prepared.sandbox_id), self._open_channel())
+        self._track(view)
+        self._refill_pool_later()
+        return True
 
     # -- warm pool (pool.py) ----------------------------------------------------------------
 
@@ -190,8 +215,14 @@ class SandboxSession:
                                                if auto_pause is None else
                                                PatchSandboxRequest(auto_pause_after_seconds=auto_pause))
             break
-        self.pool_refill = asyncio.get_running_loop().create_task(self._refill_later(warm))
+        self._refill_pool_later()
         return self.sandbox_id is not None
+
+    def _refill_pool_later(self) -> None:
+        """Top the warm pool up in the background, if one is configured."""
+        if self.settings.warm_pool and not self.settings.name and self.refill_pool:
+            warm = pool.WarmPool.for_settings(self.settings, self.settings.warm_pool)
+            self.pool_refill = asyncio.get_running_loop().create_task(self._refill_later(warm))
 
     async def _refill_later(self, warm: pool.WarmPool) -> None:
         # Let this notebook's first cells have the CPU before sandboxes are made for others.
@@ -261,8 +292,9 @@ class SandboxSession:
             self.sandbox_id, self.runner_info = previous
             raise
 
-    async def start_runner(self) -> None:
-        """Upload the runner's files and start its daemon; an older daemon is stopped first."""
+    async def start_runner(self, new_sandbox: bool = False) -> None:
+        """Upload the runner's files and start its daemon; an older daemon is stopped first
+        (none in a new_sandbox: we just made it)."""
         client, sandbox_id = self._require()
         self._check(await client.exec(sandbox_id, "mkdir", ["-p", RUNNER_DIR]))
         await asyncio.gather(*(client.upload_file(sandbox_id, path, source.read_bytes())
@@ -270,17 +302,18 @@ class SandboxSession:
         # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
         # the shutdown of a daemon that is not there.
         stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({protocol.OP: protocol.SHUTDOWN}))])
-        start = (f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; "
-                 f"nohup setsid {SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR} "
-                 f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
+        start = ("" if new_sandbox else f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; ") + (
+            f"nohup setsid {SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR} "
+            f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
         # Readiness by short execs, none held longer than READY_PROBE (a gateway may cut
         # long ones); a runner that died (no python3, a crash) is reported at once. The
         # first one also starts the runner: one round trip less (30 ms each in the cloud).
-        probe = (f"i=0; while [ $i -lt {int(READY_PROBE * 50)} ]; do "
+        # Each look costs one process (sleep), which takes CPU from the starting runner.
+        probe = (f"pid=$(cat {RUNNER_DIR}/runner.pid); i=0; while [ $i -lt {int(READY_PROBE / PROBE_INTERVAL)} ]; do "
                  f"[ -f {RUNNER_DIR}/ready ] && exec cat {RUNNER_DIR}/ready; "
-                 f"kill -0 $(cat {RUNNER_DIR}/runner.pid) 2>/dev/null || "
+                 f"kill -0 $pid 2>/dev/null || "
                  f"{{ tail -n 20 {RUNNER_DIR}/runner.log >&2; exit 1; }}; "
-                 f"i=$((i+1)); sleep 0.02; done; exit {NOT_READY_YET}")
+                 f"i=$((i+1)); sleep {PROBE_INTERVAL}; done; exit {NOT_READY_YET}")
         deadline = time.monotonic() + RUNNER_READY_TIMEOUT
         script = f"{start}; {probe}"
         while True:
