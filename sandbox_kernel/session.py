@@ -554,11 +554,14 @@ class SandboxSession:
         seen = self.oom_kills.get(self.sandbox_id or "", 0)
         view = await self.view()
         if view.status.is_gone:  # no runner can start there: say so, every cell
-            return SessionError(f"the sandbox {view.id} is {view.status}: its Python and its files are gone; "
-                                "start a new kernel for a new sandbox, or `%sandbox attach ID|NAME` another")
+            return _sandbox_gone(view)
         try:
             await self.start_runner()
         except (RuntimeError, SandboxAPIError) as error:  # e.g. no process can start there now
+            with contextlib.suppress(SandboxAPIError):
+                view = await self.view()
+            if view.status.is_gone:  # destroyed while the new runner was starting
+                return _sandbox_gone(view)
             return SessionError(f"the Python runner in the sandbox died ({exc}), and a new one "
                                 f"could not be started: {error}; the next cell tries again")
         lost = "the runner restarted: variables and imports are gone, files are kept"
@@ -660,3 +663,7 @@ class SandboxSession:
             await self.channel.close(kill=kill)
             self.channel = None
 
+
+def _sandbox_gone(view: SandboxView) -> SessionError:
+    return SessionError(f"the sandbox {view.id} is {view.status}: its Python and its files are gone; "
+                        "start a new kernel for a new sandbox, or `%sandbox attach ID|NAME` another")
