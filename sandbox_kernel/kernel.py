@@ -142,6 +142,7 @@ class SandboxKernel(Kernel):
             self.shell_handlers[msg_type] = self._comm_from_frontend
         # ipykernel dispatches comm messages concurrently while a shell message is handled;
         # they must reach the sandbox in the order they came (a comm_msg after its comm_open).
+        # Taken on the shell's loop only (see _comm_from_frontend).
         self.comm_order = asyncio.Lock()
         self.cells_executing = 0  # execute_requests being handled (see _comm_from_frontend)
         # The (sub)shells whose failed cell had its queue aborted before the reply (see _abort_queues).
@@ -478,7 +479,9 @@ class SandboxKernel(Kernel):
         asyncio.get_running_loop().create_task(self._interrupt())
 
     async def _on_main_loop(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        """Run coro on the shell's event loop (control messages arrive on another thread)."""
+        """Run coro on the shell's event loop, where the sandbox session, its channel and
+        their futures and locks live: control messages and subshells' messages are handled
+        on threads of their own, each with its own loop."""
         assert self.main_loop is not None
         if asyncio.get_running_loop() is self.main_loop:
             return await coro
@@ -506,7 +509,7 @@ class SandboxKernel(Kernel):
         if not self._sandbox_ready():
             return {}
         try:
-            return await self.sandbox.runner_request(message)
+            return await self._on_main_loop(self.sandbox.runner_request(message))
         except Exception as exc:
             log.warning("%s failed: %s", message[protocol.OP], exc)
             return {}
@@ -550,12 +553,20 @@ class SandboxKernel(Kernel):
         ipywidgets' frontend sends a widget's next change only once the previous message is
         idle: without the statuses the last changes of a burst were never sent. So each gets
         them, in turn, as ipykernel's own comm messages do, unless a cell is running (the
-        kernel is busy with it: a cell may await a widget's answer)."""
+        kernel is busy with it: a cell may await a widget's answer).
+
+        JupyterLab sends a comm target's messages on a subshell of their own once the kernel
+        has subshells (and on the main shell until it is made), so they may be handled on a
+        subshell's thread: they are delivered from the shell's loop, in one order with the
+        main shell's. From the subshell's loop, the channel's answer (a future the shell's
+        loop completes) did not wake it, and the message hung until another came; and the
+        order lock, taken from two loops, refused one ("bound to a different event loop")."""
         announce = DISPATCHED_CONCURRENTLY.get() and not self.cells_executing
-        # Its own parent: one that comes during a cell is handled in the cell's context.
+        # Its own parent: one that comes during a cell is handled in the cell's context (the
+        # shell's loop runs the delivery in a copy of this context, with this parent).
         request = REQUEST_PARENT.set(parent)
         try:
-            await self._deliver_comm(parent, announce)
+            await self._on_main_loop(self._deliver_comm(parent, announce))
         finally:
             REQUEST_PARENT.reset(request)
 

@@ -11,6 +11,7 @@ from typing import Any
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager, start_new_kernel
 
+from message_spec import validate
 from sandbox_kernel.headless import ANSI
 
 TIMEOUT = 120
@@ -58,6 +59,17 @@ def execute(kc: BlockingKernelClient, code: str, *, allow_stdin: bool = False,
     reply = kc.execute_interactive(code, allow_stdin=allow_stdin, stdin_hook=stdin_hook,
                                    output_hook=messages.append, timeout=timeout, **request)
     return Execution(reply=reply, messages=messages)
+
+
+def wait_busy_then_idle(kc: BlockingKernelClient, msg_ids: list[str]) -> None:
+    """Until each request has had its busy and then its idle status, and no more."""
+    statuses: dict[str, list[str]] = {msg_id: [] for msg_id in msg_ids}
+    while any(states != ["busy", "idle"] for states in statuses.values()):
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        validate(msg)
+        if msg["msg_type"] == "status" and msg["parent_header"].get("msg_id") in statuses:
+            statuses[msg["parent_header"]["msg_id"]].append(msg["content"]["execution_state"])
+            assert len(statuses[msg["parent_header"]["msg_id"]]) <= 2, statuses
 
 
 @contextlib.contextmanager

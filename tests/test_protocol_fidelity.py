@@ -14,7 +14,8 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 from fault_proxy import proxied_engine
-from kernel_helpers import PROVIDER, TIMEOUT, Execution, execute, is_status_line, plain_traceback, running_kernel
+from kernel_helpers import (PROVIDER, TIMEOUT, Execution, execute, is_status_line, plain_traceback, running_kernel,
+                            wait_busy_then_idle)
 from message_spec import validate
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -396,13 +397,7 @@ def test_each_comm_message_of_a_burst_is_busy_then_idle(kc: BlockingKernelClient
     comm_id = next(iter(kc.comm_info("burst", reply=True, timeout=TIMEOUT)["content"]["comms"]))
     sent = [kc.session.send(kc.shell_channel.socket, "comm_msg", {"comm_id": comm_id, "data": {"n": n}})
             for n in range(4)]
-    statuses: dict[str, list[str]] = {message["header"]["msg_id"]: [] for message in sent}
-    while any(states != ["busy", "idle"] for states in statuses.values()):
-        msg = kc.get_iopub_msg(timeout=TIMEOUT)
-        validate(msg)
-        if msg["msg_type"] == "status" and msg["parent_header"].get("msg_id") in statuses:
-            statuses[msg["parent_header"]["msg_id"]].append(msg["content"]["execution_state"])
-            assert len(statuses[msg["parent_header"]["msg_id"]]) <= 2, statuses
+    wait_busy_then_idle(kc, [message["header"]["msg_id"] for message in sent])
     assert run(kc, "print(seen)").text() == "[0, 1, 2, 3]\n"
 
 

@@ -17,7 +17,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 from fault_proxy import proxied_engine
-from kernel_helpers import TIMEOUT, execute, running_kernel
+from kernel_helpers import TIMEOUT, execute, running_kernel, wait_busy_then_idle
 from message_spec import validate
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -254,6 +254,36 @@ def test_input_async_and_shell_commands_in_a_subshell(kc: BlockingKernelClient) 
     result = Run(kc, [asked, awaited, shell])
     assert result.stdout(asked) == "Ada\n" and result.stdout(awaited) == "awaited\n"
     assert result.stdout(shell).strip() == "from a shell"
+    control(kc, "delete_subshell_request", {"subshell_id": subshell})
+
+
+def send_comm_msg(kc: BlockingKernelClient, comm_id: str, n: int, subshell_id: str | None) -> str:
+    msg = kc.session.msg("comm_msg", {"comm_id": comm_id, "data": {"n": n}})
+    msg["header"]["subshell_id"] = subshell_id
+    kc.shell_channel.send(msg)
+    return msg["header"]["msg_id"]
+
+
+def test_comm_messages_on_a_subshell_and_on_the_main_shell_all_reach_the_sandbox(kc: BlockingKernelClient) -> None:
+    """JupyterLab sends a comm target's messages on a subshell of its own once the kernel has
+    subshells (its commsOverSubshells setting), and on the main shell until that subshell is
+    made: a widget's changes come on both, and are handled on both threads here while the
+    earlier ones still run in the sandbox. Each reaches the sandbox's one comm manager, and
+    each is busy then idle (ipywidgets' page sends the next change only then)."""
+    run(kc, "import comm, time\nseen = []\nwidget = comm.create_comm(target_name='moved')\n"
+            "def on_msg(msg):\n"
+            "    if msg['content']['data']['n'] == 0:\n"
+            "        time.sleep(1)  # the next messages arrive meanwhile (what they must survive)\n"
+            "    seen.append(msg['content']['data']['n'])\n"
+            "widget.on_msg(on_msg)")
+    comm_id = next(iter(kc.comm_info("moved", reply=True, timeout=TIMEOUT)["content"]["comms"]))
+    subshell = create(kc)
+    sent = [send_comm_msg(kc, comm_id, 0, None), send_comm_msg(kc, comm_id, 1, None),
+            send_comm_msg(kc, comm_id, 2, subshell), send_comm_msg(kc, comm_id, 3, subshell)]
+    wait_busy_then_idle(kc, sent)
+    seen = [int(n) for n in ran(kc, "print(*seen)")[1].split()]
+    # Each shell's in the order sent (the main shell's and the subshell's may interleave).
+    assert sorted(seen) == [0, 1, 2, 3] and seen.index(0) < seen.index(1) and seen.index(2) < seen.index(3), seen
     control(kc, "delete_subshell_request", {"subshell_id": subshell})
 
 
