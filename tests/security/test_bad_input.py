@@ -4,6 +4,7 @@ really is what broke the engine before (over the agent's limits, over the disk).
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -73,6 +74,24 @@ async def test_exec_argument_over_the_agents_limit(http: httpx.AsyncClient, sand
         response = await http.post(f"/v1/sandboxes/{sandbox}/exec", params={"stream": str(stream).lower()},
                                    json={"cmd": "echo", "args": ["x" * (MAX_REQUEST + 1)], "stream": stream})
         assert "sandbox agent takes at most" in fail(response, 400, "request_too_large")
+        await still_serves(http, sandbox)
+
+
+async def test_strings_no_program_can_be_given(http: httpx.AsyncClient, sandbox: str) -> None:
+    """A NUL or a lone surrogate fits JSON but no command line: the command cannot start
+    (as a missing program cannot), said in its result; a managed process is refused."""
+    for body in ({"cmd": "echo", "args": ["a\u0000b"]}, {"cmd": "ec\u0000ho"}, {"cmd": "echo", "args": ["\udb70"]},
+                 {"cmd": "echo", "env": {"A": "\u0000"}}):
+        # Sent as JSON text: httpx would not encode a lone surrogate itself.
+        raw = json.dumps(body).encode()
+        response = await http.post(f"/v1/sandboxes/{sandbox}/exec", content=raw,
+                                   headers={"Content-Type": "application/json"})
+        assert response.status_code == 200, response.text
+        result = response.json()["data"]["result"]
+        assert result["exit_code"] == -1 and result["error"].startswith("exec "), result
+        created = await http.post(f"/v1/sandboxes/{sandbox}/processes", content=raw,
+                                  headers={"Content-Type": "application/json"})
+        assert created.status_code == 400, created.text
         await still_serves(http, sandbox)
 
 

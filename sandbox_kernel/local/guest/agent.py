@@ -148,8 +148,8 @@ class Agent:
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 cwd=self.workdir, env=env, start_new_session=True, limit=CHUNK,
                 preexec_fn=oom_killer_goes_here_first)
-        except OSError as exc:
-            writer.write(frame({"error": "exec %s: %s" % (cmd, exc.strerror or exc)}))
+        except (OSError, ValueError) as exc:  # ValueError: a NUL or a lone surrogate in cmd, args or env
+            writer.write(frame({"error": "exec %s: %s" % (cmd, getattr(exc, "strerror", None) or exc)}))
             writer.write(frame({"exit_code": -1}))
             return
         relays = [asyncio.ensure_future(self.relay(proc.stdout, "stdout", writer)),

@@ -208,7 +208,7 @@ class ProcessTable:
                 process = self._spawn_pty(cmd, args, cwd, env, pty_size, preexec)
             else:
                 process = self._spawn_pipes(cmd, args, cwd, env, preexec)
-        except (OSError, subprocess.SubprocessError) as exc:
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # ValueError: a NUL, a lone surrogate
             raise ProcessError("invalid", "start %s: %s" % (cmd, getattr(exc, "strerror", None) or exc)) from None
         self.processes[process.id] = process
         loop = asyncio.get_running_loop()
