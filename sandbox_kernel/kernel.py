@@ -626,11 +626,14 @@ class SandboxKernel(Kernel):
     # -- kernel info -----------------------------------------------------------------------
 
     async def kernel_info_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
-        # Report the sandbox's Python, so wait (briefly) for the sandbox to be up.
+        await self._wait_for_boot()  # to report the sandbox's Python and what it can do
+        await super().kernel_info_request(stream, ident, parent)
+
+    async def _wait_for_boot(self) -> None:
+        """Wait (at most KERNEL_INFO_WAIT) for the sandbox to be up, if it is starting."""
         if self.boot is not None and not self.boot.done():
             boot = self.boot
             await self._on_main_loop(asyncio.wait([boot], timeout=KERNEL_INFO_WAIT))
-        await super().kernel_info_request(stream, ident, parent)
 
     @property
     def kernel_info(self) -> dict[str, Any]:  # type: ignore[override]
@@ -650,14 +653,16 @@ class SandboxKernel(Kernel):
     def _debugger_available(self) -> bool:
         """The sandbox's Python has debugpy and IPython, and a channel carries its events
         (the exec-per-cell fallback has none)."""
+        return self._runner_offers("debugger")
+
+    def _runner_offers(self, feature: str) -> bool:
+        """The sandbox is up, a channel reaches its runner, and the runner says it has `feature`."""
         return (self._sandbox_ready() and self.sandbox is not None and self.sandbox.channel is not None
-                and self.sandbox.runner_info.get("debugger") is True)
+                and self.sandbox.runner_info.get(feature) is True)
 
     async def do_debug_request(self, msg: dict[str, Any]) -> dict[str, Any]:
         """A DAP request, answered by the debugger in the sandbox; unsuccessful where there is none."""
-        if self.boot is not None and not self.boot.done():
-            boot = self.boot
-            await self._on_main_loop(asyncio.wait([boot], timeout=KERNEL_INFO_WAIT))
+        await self._wait_for_boot()
         if not self._debugger_available():
             return _debug_refusal(msg, "sandbox-kernel has no debugger for this sandbox: its Python needs "
                                   "IPython and debugpy (`%pip install debugpy`, then restart the kernel)")
@@ -689,13 +694,10 @@ class SandboxKernel(Kernel):
     def _subshells_available(self) -> bool:
         """The runner can run a subshell's cells in a thread of its own (it has IPython), and a
         channel carries several cells at once (the exec-per-cell fallback does not)."""
-        return (self._supports_kernel_subshells and self._sandbox_ready() and self.sandbox is not None
-                and self.sandbox.channel is not None and self.sandbox.runner_info.get("subshells") is True)
+        return self._supports_kernel_subshells and self._runner_offers("subshells")
 
     async def _subshells_ready(self) -> bool:
-        if self.boot is not None and not self.boot.done():
-            boot = self.boot
-            await self._on_main_loop(asyncio.wait([boot], timeout=KERNEL_INFO_WAIT))
+        await self._wait_for_boot()
         return self._subshells_available()
 
     def _subshell_manager_call(self, request: dict[str, Any]) -> dict[str, Any]:
