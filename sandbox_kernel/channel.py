@@ -58,6 +58,7 @@ from .api import (
     SandboxClient,
     ServerError,
 )
+from .event_lines import parse_event_line
 from .runner_client import CHANNEL_WINDOW
 
 log = logging.getLogger("sandbox_kernel.channel")
@@ -364,7 +365,7 @@ class RunnerChannel:
         if not line.strip():
             return
         try:
-            event = json.loads(line)
+            event = parse_event_line(line)
         except ValueError:  # cut off by a dying daemon, or not ours
             log.warning("skipped a line from the channel that is not JSON")
             return

@@ -26,6 +26,7 @@ from typing import Any
 from . import runner_protocol as protocol
 from .api import BoundedLines, NotFoundError, OversizedLine, SandboxClient, ServerError
 from .channel import RECOVERABLE
+from .event_lines import parse_event_line
 
 log = logging.getLogger("sandbox_kernel.exec_transport")
 
@@ -219,7 +220,7 @@ class _EventStream:
         if not line.strip():
             return None
         try:
-            event = json.loads(line)
+            event = parse_event_line(line)
         except ValueError:  # cut off: the runner died while sending it (its client says so next)
             log.warning("skipped a partial event line from the runner")
             return None

@@ -42,6 +42,7 @@ from traitlets import Unicode
 from . import __version__, early_start, ownership, runner_protocol as protocol
 from .api import SandboxAPIError
 from .config import ConfigError, Settings
+from .event_lines import stream_content
 from .history import open_history
 from .magics import PIP_COMMAND, MagicError, SandboxMagics, Segment, split_cell
 from .output import CellOutput, OutputGuard
@@ -905,7 +906,7 @@ class _EventTranslator:
             if notice:
                 send(iopub, "stream", {"name": "stderr", "text": notice})
         elif kind == "stream":
-            send(iopub, "stream", {"name": event["name"], "text": event["text"]})
+            send(iopub, "stream", stream_content(event))
         elif kind in ("display_data", "update_display_data"):
             send(iopub, kind, {"data": event["data"], "metadata": event.get("metadata", {}),
                                "transient": event.get("transient", {})})

@@ -11,6 +11,8 @@ channel) every event line carries ``CELL`` (the cell's id, or null between cells
 ``SEQ`` (numbered per cell, and per channel for the between-cell ones); a one-shot
 request that carries ``ID`` is answered by one line with ``REPLY`` set to it. A request
 the runner refuses is answered by ``{"error": ...}`` with its ``ID`` or ``CELL_ID``.
+Every line is json.dumps' output, ASCII only; a ``STREAM`` event's ``text`` is its last
+field (the kernel publishes that field's JSON as written: sandbox_kernel/event_lines.py).
 """
 
 # Request ops
