@@ -47,4 +47,7 @@ def stream_content(event: dict[str, Any]) -> dict[str, Any] | bytes:
     encoded = event.get(_ENCODED_TEXT)
     if encoded is None:
         return {"name": event["name"], "text": event["text"]}
-    return b'{"name": %s, "text": %s}' % (json.dumps(event["name"]).encode(), encoded.encode())
+    # A lone surrogate (a line that reached us through JSON, as the exec API's stdout does,
+    # can hold one) has no UTF-8: written as its JSON escape, which is what it was.
+    text = encoded.encode("utf-8", "backslashreplace")
+    return b'{"name": %s, "text": %s}' % (json.dumps(event["name"]).encode(), text)

@@ -88,6 +88,7 @@ def test_the_runner_writes_stream_text_last_and_escaped_as_expected(monkeypatch:
     '{"type": "stream", "name": "stdout, "text": "a"}',
     '["not", "an", "object", "text": "a"}',
     '{"type": "stream", "name": "stdout", "text": "é raw"}',
+    '{"type": "stream", "name": "stdout", "text": "lone \ud800 and \udcff raw"}',
 ])
 def test_a_forged_line_is_read_as_json_reads_it(line: str) -> None:
     check_agrees_with_json(line)
