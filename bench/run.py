@@ -33,7 +33,7 @@ class Plan:
 
     round_trip: int = 50
     streaming: int = 10
-    throughput: int = 3
+    throughput: int = 9  # the plain column swings most here (one 20 MiB message): more samples
     flood_mib: int = 20
     rich: int = 5
     frame_mb: float = 10.0
