@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,13 @@ def live_kernel() -> Iterator[int]:
     """A process that looks like a live sandbox kernel (its command line says so)."""
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
                                 ownership.KERNEL_MARKER.decode()])
+    # Popen returns once the child's exec has closed its close-on-exec pipe, which Linux does
+    # before it sets up the new command line: read at once, /proc shows an empty one (this
+    # test failed so, once, in a CI run under load).
+    deadline = time.monotonic() + 30
+    while not ownership.kernel_alive(process.pid):
+        assert process.poll() is None and time.monotonic() < deadline, "the stand-in kernel did not start"
+        time.sleep(0.01)
     yield process.pid
     process.kill()
     process.wait()
