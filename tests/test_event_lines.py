@@ -32,7 +32,8 @@ def fields_of(event: dict[Any, Any]) -> dict[str, Any]:
 
 def check_agrees_with_json(line: str) -> Any:
     """parse_event_line reads `line` as json.loads does, and a stream event's content is
-    valid JSON of exactly its name and text."""
+    valid JSON of exactly its name and text. Returns the event (None for a line that is not
+    JSON)."""
     try:
         expected = json.loads(line)
     except ValueError:
@@ -63,7 +64,7 @@ def test_the_runners_stream_text_is_published_as_it_wrote_it(fields: dict[str, A
 
 def test_the_runner_writes_stream_text_last_and_escaped_as_expected(monkeypatch: pytest.MonkeyPatch) -> None:
     """What runner.py's encoder makes of a stream event is the line the fast path expects."""
-    monkeypatch.syspath_prepend(str(RUNNER.parent))  # runner.py imports its siblings so
+    monkeypatch.syspath_prepend(str(RUNNER.parent))  # runner.py imports its sibling modules by bare name
     spec = importlib.util.spec_from_file_location("runner_under_test", RUNNER)
     assert spec is not None and spec.loader is not None
     runner = importlib.util.module_from_spec(spec)
@@ -100,6 +101,7 @@ def test_mangled_runner_lines_are_read_as_json_reads_them() -> None:
     honest = as_runner_writes('say "hi"\\n\n', parent="msg-1")
     significant = '"\\{}[]:, \tu0aé'
     shuffle = random.Random(13)
+    packed_as_written = 0
     for _ in range(3000):
         chars = list(honest)
         for _ in range(shuffle.randint(1, 3)):
@@ -111,4 +113,7 @@ def test_mangled_runner_lines_are_read_as_json_reads_them() -> None:
                 del chars[spot]
             else:
                 chars[spot] = shuffle.choice(significant)
-        check_agrees_with_json("".join(chars))
+        event = check_agrees_with_json("".join(chars))
+        if isinstance(event, dict) and event.get("type") == "stream" and "name" in event and "text" in event:
+            packed_as_written += isinstance(stream_content(event), bytes)
+    assert packed_as_written > 300  # the manglings that keep a valid stream line took the fast path
