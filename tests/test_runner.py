@@ -53,7 +53,8 @@ class Daemon:
         self.log = open(os.path.join(self.dir, "runner.log"), "wb")
         self.proc = subprocess.Popen(
             [sys.executable, str(RUNNER), "serve", self.dir],
-            stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=env,
+            # Its own directory as cwd: files that cells write stay out of the checkout.
+            stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=env, cwd=self.dir,
         )
         ready = Path(self.dir, "ready")
         deadline = time.monotonic() + 30
