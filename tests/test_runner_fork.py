@@ -273,7 +273,8 @@ def test_fork_into_namespaces():
         assert child.ready["pid"] == reply["child_pid"]
         events = child.run("print(secret, socket.gethostname(), [n for _, n in socket.if_nameindex()])")
         assert stdout_of(events) == "42 forked-target ['lo']\n", (events, child.log_text())
-        assert stdout_of(child.run("import os\nprint(os.getcwd() == %r)" % os.getcwd())) == "True\n"
+        # ... and in the parent's working directory (the daemon's own directory).
+        assert stdout_of(child.run("import os\nprint(os.getcwd() == %r)" % parent.dir)) == "True\n"
         # The parent keeps its own namespaces, socket and state.
         assert Path(parent.dir, "runner.sock").exists()
         events = parent.run("print(secret, socket.gethostname() != 'forked-target', len(socket.if_nameindex()) >= 1)")
