@@ -9,6 +9,7 @@ comparison, "bench-sandbox" (sandbox-kernel, installed with its real CLI) and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -25,6 +26,9 @@ from typing import Any
 
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.manager import AsyncKernelManager
+
+from sandbox_kernel.api import NotFoundError, SandboxClient
+from sandbox_kernel.local.service import EngineEndpoint
 
 SANDBOX = "bench-sandbox"
 PLAIN = "bench-plain"
@@ -51,7 +55,11 @@ def summary(name: str, seconds: list[float]) -> str:
 class BenchEnv:
     root: Path
     state_dir: Path
-    engine_pid: int | None = None
+    engine: EngineEndpoint | None = None
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.engine.pid if self.engine else None
 
 
 @contextlib.contextmanager
@@ -78,19 +86,29 @@ def bench_env(extra_sandbox_env: dict[str, str] | None = None) -> Iterator[Bench
         os.environ["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
         from sandbox_kernel.local.service import ensure_engine
 
-        env.engine_pid = ensure_engine(env.state_dir, idle_timeout=600).pid
+        env.engine = ensure_engine(env.state_dir, idle_timeout=600)
         yield env
     finally:
-        if env.engine_pid:
+        if env.engine:
+            # A stopped engine leaves its sandboxes running for the next one on its state
+            # dir; with the state dir removed there is none, and they would run on, orphaned.
+            asyncio.run(_destroy_every_sandbox(env.engine))
             with contextlib.suppress(ProcessLookupError):
-                os.kill(env.engine_pid, signal.SIGTERM)
-            _wait_gone(env.engine_pid, 15.0)
+                os.kill(env.engine.pid, signal.SIGTERM)
+            _wait_gone(env.engine.pid, 15.0)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
         _remove(root)
+
+
+async def _destroy_every_sandbox(engine: EngineEndpoint) -> None:
+    async with SandboxClient(engine.url, engine.token) as api:
+        for sandbox in await api.list_sandboxes():
+            with contextlib.suppress(NotFoundError):  # it was on its way out
+                await api.delete_sandbox(sandbox.id)
 
 
 def _remove(root: Path) -> None:
