@@ -15,42 +15,58 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_kernel.api import NotFoundError, SandboxClient, SandboxStatus
+from sandbox_kernel.api import NotFoundError, SandboxAPIError, SandboxClient, SandboxStatus
 from sandbox_kernel.local import freezer as freezers
 from sandbox_kernel.local.service import EngineEndpoint, read_endpoint
 
 
 @contextlib.contextmanager
 def running_engine(state: Path, **env: str) -> Iterator[EngineEndpoint]:
-    """`sandbox-kernel serve` in a subprocess with its own state dir (and extra env)."""
+    """`sandbox-kernel serve` in a subprocess with its own state dir (and extra env). Every
+    sandbox on the state dir is destroyed after the test, even one whose engine it stopped."""
+    process, endpoint = start_engine(state, env)
+    try:
+        yield endpoint
+    finally:
+        if not destroy_every_sandbox(endpoint):
+            # The test stopped the engine (or is stopping it). Its sandboxes run on, left to
+            # the next engine: only an engine on this state dir can take them over and end them.
+            stop_process(process, 15)
+            process, endpoint = start_engine(state, env)
+            destroy_every_sandbox(endpoint)
+        stop_process(process, 15)
+
+
+def start_engine(state: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], EngineEndpoint]:
     log = open(state / "engine.log", "ab")
     process = subprocess.Popen(
         [sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(state)],
         stdout=log, stderr=log, start_new_session=True, env={**os.environ, **env})
-    try:
-        deadline = time.monotonic() + 30
-        endpoint = None
-        while endpoint is None and time.monotonic() < deadline and process.poll() is None:
-            time.sleep(0.05)
-            endpoint = read_endpoint(state)
-        if endpoint is None:
-            pytest.fail("local engine did not start: " + (state / "engine.log").read_text()[-2000:])
-        yield endpoint
-    finally:
-        if endpoint is not None:
-            destroy_every_sandbox(endpoint)  # a stopped engine leaves them running
+    deadline = time.monotonic() + 30
+    endpoint = None
+    while endpoint is None and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+        endpoint = read_endpoint(state)
+    if endpoint is None:
         stop_process(process, 15)
+        pytest.fail("local engine did not start: " + (state / "engine.log").read_text()[-2000:])
+    return process, endpoint
 
 
-def destroy_every_sandbox(endpoint: EngineEndpoint) -> None:
+def destroy_every_sandbox(endpoint: EngineEndpoint) -> bool:
+    """False if the engine could not be asked (it is gone or going)."""
     async def destroy() -> None:
         async with SandboxClient(endpoint.url, endpoint.token) as api:
             for view in await api.list_sandboxes():
                 with contextlib.suppress(NotFoundError):
                     await api.delete_sandbox(view.id)
     # In a thread of its own: the caller may be inside an event loop (an async test).
-    with ThreadPoolExecutor(1) as thread, contextlib.suppress(Exception):  # a dead engine: nothing to ask
-        thread.submit(asyncio.run, destroy()).result()
+    with ThreadPoolExecutor(1) as thread:
+        try:
+            thread.submit(asyncio.run, destroy()).result()
+        except (SandboxAPIError, OSError):
+            return False
+    return True
 
 
 def sandbox_pids(sandbox_id: str, needle: bytes = b"") -> list[int]:
