@@ -281,12 +281,13 @@ def test_an_execute_request_on_the_control_channel_runs_and_its_output_is_its_ow
             reply = msg
     validate(reply)
     assert reply["content"]["status"] == "ok"
-    printed = None
-    while printed is None:
+    printed, parents = "", set()
+    while printed != "42\n":  # perhaps in pieces: "42", then the newline
         msg = kc.get_iopub_msg(timeout=TIMEOUT)
-        if msg["msg_type"] == "stream" and msg["content"]["text"] == "42\n":
-            printed = msg
-    assert printed["parent_header"]["msg_id"] == request["header"]["msg_id"]
+        if msg["msg_type"] == "stream":
+            printed += msg["content"]["text"]
+            parents.add(msg["parent_header"]["msg_id"])
+    assert parents == {request["header"]["msg_id"]}
 
 
 # -- 12. shutdown -------------------------------------------------------------------------------

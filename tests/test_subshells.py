@@ -204,12 +204,14 @@ def test_an_interrupt_stops_the_main_shell_not_a_subshell(kc: BlockingKernelClie
     run(kc, "import threading, time; go = threading.Event()")
     waiting = send(kc, f"print('sub waits', flush=True); assert go.wait({WAIT}); print('sub went')", subshell)
     sleeping = send(kc, "print('main sleeps', flush=True); time.sleep(600)", None)
-    seen: set[str] = set()
-    while seen != {"sub waits", "main sleeps"}:  # both are running
+    # Both are running once each has printed its line (a print may come in pieces: its text,
+    # then its newline, when the runner's flusher runs in between, as under load).
+    printed = {waiting: "", sleeping: ""}
+    while printed != {waiting: "sub waits\n", sleeping: "main sleeps\n"}:
         msg = kc.get_iopub_msg(timeout=TIMEOUT)
         validate(msg)
         if msg["msg_type"] == "stream":
-            seen.add(msg["content"]["text"].strip())
+            printed[msg["parent_header"]["msg_id"]] += msg["content"]["text"]
     assert control(kc, "interrupt_request")["status"] == "ok"
     interrupted = Run(kc, [sleeping])
     assert interrupted.replies[sleeping]["content"]["ename"] == "KeyboardInterrupt"
