@@ -38,10 +38,10 @@ def running_engine(state: Path, **env: str) -> Iterator[EngineEndpoint]:
 
 
 def start_engine(state: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], EngineEndpoint]:
-    log = open(state / "engine.log", "ab")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(state)],
-        stdout=log, stderr=log, start_new_session=True, env={**os.environ, **env})
+    with open(state / "engine.log", "ab") as log:  # the engine keeps its own copy of the descriptor
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(state)],
+            stdout=log, stderr=log, start_new_session=True, env={**os.environ, **env})
     deadline = time.monotonic() + 30
     endpoint = None
     while endpoint is None and time.monotonic() < deadline and process.poll() is None:
