@@ -158,8 +158,33 @@ def _encode_line(obj: dict) -> bytes:
         # A stream event's text goes last (the kernel publishes it as written here: see
         # runner_protocol), escaped on its own, which is faster than within the dict.
         head = json.dumps({key: value for key, value in obj.items() if key != "text"}, default=_json_default)
-        return (head[:-1] + ', "text": ' + json.encoder.encode_basestring_ascii(text) + "}\n").encode("ascii")
+        return head[:-1].encode("ascii") + b', "text": ' + _json_string(text) + b"}\n"
     return (json.dumps(obj, ensure_ascii=True, default=_json_default) + "\n").encode("ascii")
+
+
+# Below this many characters json's encoder is quicker than the scans of _json_string.
+_SCAN_FROM = 4096
+# What JSON escapes in ASCII text: control characters, DEL (json.dumps escapes it too), the
+# quote and the backslash. The common ones are replaced in _json_string; a text with any
+# of the rare ones is left to json's encoder.
+_COMMON_ESCAPES = ((b"\\", b"\\\\"), (b'"', b'\\"'), (b"\n", b"\\n"), (b"\r", b"\\r"), (b"\t", b"\\t"))
+_RARE_ESCAPES = tuple(bytes([code]) for code in (*range(0x20), 0x7F) if code not in b"\n\r\t")
+
+
+def _json_string(text: str) -> bytes:
+    """`text` as a JSON string, byte for byte what json.encoder.encode_basestring_ascii writes.
+
+    That encoder looks at one character at a time (about 4 ms per MiB here, the runner's
+    largest cost in a long print). Output is mostly printable ASCII with newlines, for which
+    memchr-speed scans and replaces do the same work in about a quarter of the time.
+    """
+    if len(text) >= _SCAN_FROM and text.isascii():
+        raw = text.encode("ascii")
+        if not any(rare in raw for rare in _RARE_ESCAPES):
+            for plain, escaped in _COMMON_ESCAPES:  # the backslash first: the others add some
+                raw = raw.replace(plain, escaped)
+            return b'"' + raw + b'"'
+    return json.encoder.encode_basestring_ascii(text).encode("ascii")
 
 
 class Cell:

@@ -62,16 +62,44 @@ def test_the_runners_stream_text_is_published_as_it_wrote_it(fields: dict[str, A
     assert json.loads(content) == {"name": "stdout", "text": TRICKY_TEXT}
 
 
-def test_the_runner_writes_stream_text_last_and_escaped_as_expected(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What runner.py's encoder makes of a stream event is the line the fast path expects."""
-    monkeypatch.syspath_prepend(str(RUNNER.parent))  # runner.py imports its sibling modules by bare name
+@pytest.fixture
+def runner(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """runner.py, loaded as the sandbox loads it (it imports its sibling modules by bare name)."""
+    monkeypatch.syspath_prepend(str(RUNNER.parent))
     spec = importlib.util.spec_from_file_location("runner_under_test", RUNNER)
     assert spec is not None and spec.loader is not None
-    runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)
-    written = runner._encode_line({"seq": 3, "type": "stream", "name": "stdout", "text": TRICKY_TEXT, "parent": "p"})
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("text", [TRICKY_TEXT, TRICKY_TEXT * 300])
+def test_the_runner_writes_stream_text_last_and_escaped_as_expected(runner: Any, text: str) -> None:
+    """What runner.py's encoder makes of a stream event is the line the fast path expects."""
+    written = runner._encode_line({"seq": 3, "type": "stream", "name": "stdout", "text": text, "parent": "p"})
     line = '{"cell": "c-1", ' + written.decode("ascii").rstrip("\n")[1:]
-    assert line == as_runner_writes(TRICKY_TEXT, parent="p")
+    assert line == as_runner_writes(text, parent="p")
+
+
+def test_the_runners_escaping_of_long_text_is_json_encoders(runner: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """runner._json_string escapes long ASCII text with scans and replaces of its own: for
+    texts of every character JSON escapes, and others, it writes what json's encoder writes."""
+    shuffle = random.Random(7)
+    alphabet = [chr(code) for code in range(0x80)] + ["é", "漢", "🙂", "\ud800"]
+    texts = [TRICKY_TEXT * 100, "x" * 1023 + "\n"] + [
+        "".join(shuffle.choices(alphabet, k=shuffle.choice([10, 4095, 4096, 9000]))) for _ in range(300)]
+    texts += ["".join(shuffle.choices("ab \n\r\t\\\"", k=5000)) + rare for rare in alphabet]
+    for text in texts:
+        assert runner._json_string(text) == json.encoder.encode_basestring_ascii(text).encode("ascii")
+
+    # The check above must not pass by never taking the scanning path: without json's
+    # encoder, typical long output is still escaped, and correctly.
+    def unavailable(text: str) -> str:
+        raise AssertionError("json's encoder was used")
+
+    monkeypatch.setattr(json.encoder, "encode_basestring_ascii", unavailable)
+    printed = ('a "quoted" line, a back\\slash,\ta tab\r\n' * 200)
+    assert json.loads(runner._json_string(printed)) == printed
 
 
 @pytest.mark.parametrize("line", [
