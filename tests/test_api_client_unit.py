@@ -7,6 +7,7 @@ A fake transport is used here on purpose: these tests pin CreateOS behaviours th
 from __future__ import annotations
 
 import asyncio
+import base64
 import email.utils
 import json
 import pickle
@@ -997,6 +998,77 @@ def test_bounded_lines_drop_what_passes_the_limit_and_count_it() -> None:
     last = lines.feed("y\nok\n")
     assert isinstance(last[0], OversizedLine) and last[0].size == 103 and last[1:] == ["ok"]
     assert lines.feed("tail") == [] and lines.close() == "tail" and lines.close() == ""
+    assert lines.feed("\na\n\nb\nc") == ["", "a", "", "b"] and lines.feed("\n") == ["c"]
+
+
+def _frame_as_json_reads_it(line: str) -> Any:
+    """What the plain path makes of a process stream line: a frame's fields and output, or None."""
+    from sandbox_kernel.api.models import ProcessFrame
+
+    try:
+        obj = json.loads(line)
+        frame = ProcessFrame.model_validate(obj)
+    except (ValueError, pydantic.ValidationError):
+        return None
+    try:
+        data: Any = frame.data
+    except ValueError:
+        data = "undecodable"
+    return frame.model_dump(), data
+
+
+def test_process_frames_are_read_as_json_reads_them() -> None:
+    """ProcessStream cuts a data frame's output out of its line before parsing the rest (a
+    fast path): real frames and seeded manglings of them (characters that mean something to
+    JSON inserted, deleted or swapped, fields doubled or hidden in strings) read exactly as
+    json.loads and the frame model read them, or are refused as they are."""
+    import random
+
+    from sandbox_kernel.api.client import ProcessStream, _BadFrame
+
+    stream = ProcessStream.__new__(ProcessStream)  # _frame needs no response
+    shuffle = random.Random(11)
+    output = base64.b64encode(bytes(range(256)) * 40).decode()
+    real = ['{"type":"data","seq":7,"stream":"stdout","data_base64":"%s"}' % output,
+            '{"type":"data","seq":8,"stream":"stderr","data_base64":"%s","oldest_available_seq":3}' % output,
+            '{"type":"exit","seq":8,"exit_code":0}', '{"type":"heartbeat"}']
+    lines = list(real) + [
+        '{"type":"data","seq":1,"data_base64":"QUJD","data_base64":""}',
+        '{"type":"data","seq":1,"data_base64":"","data_base64":"QUJD"}',
+        '{"type":"data","seq":1,"error":"\\"data_base64\\":\\"","data_base64":"QUJD"}',
+        '{"type":"data","seq":1,"x":{"data_base64":"QUJD"},"data_base64":""}',
+        '{"type":"data","seq":1,"x":{"data_base64":"QUJD"}}', '{"data_base64": "","x":{"data_base64":"QUJD"}}',
+        '{"type":"data","seq":1,"data_base64":"QU\\u004aD"}', '{"type":"data","seq":1,"data_base64":"QU\tJD"}',
+        '["type","data_base64":"QUJD"]', '{"type":"data","data_base64":"QUJD"', '{"type":"data","data_base64":"!!"}']
+    significant = ['"', "\\", ":", ",", "{", "}", "[", "]", " ", "\t", "\x00", "=", "/", "A", '"data_base64":"']
+    taken_fast = 0
+    for _ in range(3000):
+        line = list(shuffle.choice(real))
+        for _ in range(shuffle.randint(1, 3)):
+            at = shuffle.randrange(len(line))
+            action = shuffle.choice(("insert", "delete", "swap"))
+            if action == "insert":
+                line.insert(at, shuffle.choice(significant))
+            elif action == "delete":
+                del line[at]
+            else:
+                other = shuffle.randrange(len(line))
+                line[at], line[other] = line[other], line[at]
+        lines.append("".join(line))
+    for line in lines:
+        expected = _frame_as_json_reads_it(line)
+        try:
+            frame = stream._frame(line)
+        except _BadFrame:
+            assert expected is None, line[:200]
+            continue
+        try:
+            data: Any = frame.data
+        except ValueError:
+            data = "undecodable"
+        assert (frame.model_dump(), data) == expected, line[:200]
+        taken_fast += frame._decoded is not None
+    assert taken_fast > 100  # the comparison covers the fast path, not only the plain one
 
 
 def test_stream_reads_are_widened_to_what_a_busy_stream_holds() -> None:

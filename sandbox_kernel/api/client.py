@@ -23,6 +23,7 @@ from urllib.parse import quote, urlsplit
 
 import httpcore
 import httpx
+import pybase64
 import pydantic
 
 from .envelope import error_from_response, parse_response, protocol_error, unwrap_page
@@ -123,11 +124,16 @@ class BoundedLines:
         self._size = 0  # its length so far (still counted once its text is dropped)
 
     def feed(self, chunk: str) -> list["str | OversizedLine"]:
-        pieces = chunk.split("\n")
+        # find, not split: str.split looks at each character, find uses memchr, and most
+        # chunks of a long output hold one newline or none (a third of this reader's time).
         complete: list[str | OversizedLine] = []
-        for piece in pieces[:-1]:
-            complete.append(self._finish(piece))
-        self._take(pieces[-1])
+        start = 0
+        end = chunk.find("\n")
+        while end >= 0:
+            complete.append(self._finish(chunk[start:end]))
+            start = end + 1
+            end = chunk.find("\n", start)
+        self._take(chunk[start:] if start else chunk)
         return complete
 
     def close(self) -> "str | OversizedLine":
@@ -212,18 +218,10 @@ class _FrameStream(Generic[F]):
                     if not line:
                         continue
                 try:
-                    obj = json.loads(line)
-                except ValueError:
+                    frame = self._frame(line)
+                except _BadFrame as exc:
                     await self.response.aclose()
-                    raise self._protocol_error(f"stream line is not JSON: {line[:80]!r}") from None
-                if not isinstance(obj, dict):
-                    await self.response.aclose()
-                    raise self._protocol_error(f"stream line is not a JSON object: {line[:80]!r}")
-                try:
-                    frame = self.frame_model.model_validate(obj)
-                except pydantic.ValidationError as exc:
-                    await self.response.aclose()
-                    raise self._protocol_error(f"invalid {self.kind} frame: {_validation_summary(exc)}") from None
+                    raise self._protocol_error(str(exc)) from None
                 yield frame
         except httpx.TimeoutException as exc:
             raise APITimeoutError(
@@ -241,6 +239,27 @@ class _FrameStream(Generic[F]):
             ) from None
 
 
+    def _frame(self, line: str) -> F:
+        """One line as a frame (_BadFrame if it is not one)."""
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            raise _BadFrame(f"stream line is not JSON: {line[:80]!r}") from None
+        return self._validate(obj, line)
+
+    def _validate(self, obj: Any, line: str) -> F:
+        if not isinstance(obj, dict):
+            raise _BadFrame(f"stream line is not a JSON object: {line[:80]!r}")
+        try:
+            return self.frame_model.model_validate(obj)
+        except pydantic.ValidationError as exc:
+            raise _BadFrame(f"invalid {self.kind} frame: {_validation_summary(exc)}") from None
+
+
+class _BadFrame(Exception):
+    """A stream line that is not a frame of its stream's model."""
+
+
 class ExecStream(_FrameStream[ExecFrame]):
     """The frames of a streaming exec."""
 
@@ -253,6 +272,38 @@ class ProcessStream(_FrameStream[ProcessFrame]):
 
     frame_model = ProcessFrame
     kind = "a process"
+
+    def _frame(self, line: str) -> ProcessFrame:
+        """A data frame's output is most of its line: parsing it as JSON, one character at a
+        time, took a sixth of the kernel's time in a long print. Here it is cut out, decoded
+        (which checks it) and the rest parsed, when that reads the line exactly as json.loads
+        would; any other line takes the plain path."""
+        key = line.find(_DATA_KEY)
+        start = key + len(_DATA_KEY) + 2
+        # The key must be the line's only one of that name (written as the services write it),
+        # or json.loads might keep another.
+        end = line.find('"', start)
+        if key < 0 or line[start - 2:start] != ':"' or end < 0 or line.find(_DATA_KEY, start) >= 0:
+            return super()._frame(line)
+        try:
+            # Only base64's 65 characters pass: no escape, nor a control character (which
+            # JSON forbids), can be in a value that decodes, so it ends at the first quote.
+            data = pybase64.b64decode(line[start:end], validate=True)
+            obj = json.loads(line[:start] + line[end:])
+        except ValueError:
+            return super()._frame(line)
+        # The rest parses only if the cut was between tokens: `""` left inside a string
+        # would close it and open another, which JSON never allows next to a string. And the
+        # field must be the frame's own, not one of an object within it.
+        if not isinstance(obj, dict) or obj.get("data_base64") != "":
+            return super()._frame(line)
+        obj["data_base64"] = line[start:end]
+        return self._validate(obj, line).with_data(data)
+
+
+# A data frame's output field, whose value CreateOS and the local engine write right after
+# its key (no space).
+_DATA_KEY = '"data_base64"'
 
 
 def _exec_body(
