@@ -280,15 +280,17 @@ class ProcessStream(_FrameStream[ProcessFrame]):
         would; any other line takes the plain path."""
         key = line.find(_DATA_KEY)
         start = key + len(_DATA_KEY) + 2
-        # The key must be the line's only one of that name (written as the services write it),
-        # or json.loads might keep another.
         end = line.find('"', start)
-        if key < 0 or line[start - 2:start] != ':"' or end < 0 or line.find(_DATA_KEY, start) >= 0:
+        # The key must be the line's only one of that name (written as the services write it),
+        # or json.loads might keep another. (None can be before the first, nor in a value
+        # without quotes: the search starts at its end, not across it, which is slow.)
+        if key < 0 or line[start - 2:start] != ':"' or end < 0 or line.find(_DATA_KEY, end) >= 0:
             return super()._frame(line)
         try:
             # Only base64's 65 characters pass: no escape, nor a control character (which
             # JSON forbids), can be in a value that decodes, so it ends at the first quote.
-            data = pybase64.b64decode(line[start:end], validate=True)
+            value = line[start:end]
+            data = pybase64.b64decode(value, validate=True)
             obj = json.loads(line[:start] + line[end:])
         except ValueError:
             return super()._frame(line)
@@ -297,7 +299,7 @@ class ProcessStream(_FrameStream[ProcessFrame]):
         # field must be the frame's own, not one of an object within it.
         if not isinstance(obj, dict) or obj.get("data_base64") != "":
             return super()._frame(line)
-        obj["data_base64"] = line[start:end]
+        obj["data_base64"] = value
         return self._validate(obj, line).with_data(data)
 
 
