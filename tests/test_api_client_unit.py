@@ -1071,6 +1071,31 @@ def test_process_frames_are_read_as_json_reads_them() -> None:
     assert taken_fast > 100  # the comparison covers the fast path, not only the plain one
 
 
+def test_httpcore_finds_what_it_imports_on_every_request() -> None:
+    """httpcore imports sniffio in each request (to tell asyncio from trio); a missing sniffio
+    means a failed import, a search of sys.path, per request. It is a dependency of ours."""
+    import sys
+
+    from httpcore._synchronization import current_async_library
+
+    looked_up: list[str] = []
+
+    class Recorder:
+        @staticmethod
+        def find_spec(name: str, *_: Any) -> None:
+            looked_up.append(name)
+
+    async def ask() -> str:
+        return current_async_library()
+
+    sys.meta_path.insert(0, Recorder())  # type: ignore[arg-type]
+    try:
+        assert asyncio.run(ask()) == "asyncio"
+    finally:
+        sys.meta_path.pop(0)
+    assert looked_up == []
+
+
 def test_stream_reads_are_widened_to_what_a_busy_stream_holds() -> None:
     """Importing the client widens httpcore's reads (see _STREAM_READ_BYTES): an httpcore that
     drops or renames the knob would silently give back a quarter of a long print's speed."""
