@@ -162,8 +162,9 @@ def _encode_line(obj: dict) -> bytes:
     return (json.dumps(obj, ensure_ascii=True, default=_json_default) + "\n").encode("ascii")
 
 
-# Below this many characters json's encoder is quicker than the scans of _json_string.
-_SCAN_FROM = 4096
+# Below about this many characters json's encoder is quicker than the scans of _json_string
+# (measured: equal at 8 KiB, the scans 2.4 times quicker at 64 KiB).
+_SCAN_FROM = 8192
 # What JSON escapes in ASCII text: control characters, DEL (json.dumps escapes it too), the
 # quote and the backslash. The common ones are replaced in _json_string; a text with any
 # of the rare ones is left to json's encoder.

@@ -73,7 +73,7 @@ def runner(monkeypatch: pytest.MonkeyPatch) -> Any:
     return module
 
 
-@pytest.mark.parametrize("text", [TRICKY_TEXT, TRICKY_TEXT * 300])
+@pytest.mark.parametrize("text", [TRICKY_TEXT, TRICKY_TEXT * 300, "long printable line\n" * 1000])
 def test_the_runner_writes_stream_text_last_and_escaped_as_expected(runner: Any, text: str) -> None:
     """What runner.py's encoder makes of a stream event is the line the fast path expects."""
     written = runner._encode_line({"seq": 3, "type": "stream", "name": "stdout", "text": text, "parent": "p"})
@@ -86,9 +86,11 @@ def test_the_runners_escaping_of_long_text_is_json_encoders(runner: Any, monkeyp
     texts of every character JSON escapes, and others, it writes what json's encoder writes."""
     shuffle = random.Random(7)
     alphabet = [chr(code) for code in range(0x80)] + ["é", "漢", "🙂", "\ud800"]
-    texts = [TRICKY_TEXT * 100, "x" * 1023 + "\n"] + [
-        "".join(shuffle.choices(alphabet, k=shuffle.choice([10, 4095, 4096, 9000]))) for _ in range(300)]
-    texts += ["".join(shuffle.choices("ab \n\r\t\\\"", k=5000)) + rare for rare in alphabet]
+    shortest = runner._SCAN_FROM  # shorter texts are left to json's encoder
+    texts = [TRICKY_TEXT * 400, ("x" * 1023 + "\n") * 20] + [
+        "".join(shuffle.choices(alphabet, k=shuffle.choice([10, shortest - 1, shortest, 2 * shortest])))
+        for _ in range(300)]
+    texts += ["".join(shuffle.choices("ab \n\r\t\\\"", k=shortest)) + rare for rare in alphabet]
     for text in texts:
         assert runner._json_string(text) == json.encoder.encode_basestring_ascii(text).encode("ascii")
 
@@ -98,7 +100,7 @@ def test_the_runners_escaping_of_long_text_is_json_encoders(runner: Any, monkeyp
         raise AssertionError("json's encoder was used")
 
     monkeypatch.setattr(json.encoder, "encode_basestring_ascii", unavailable)
-    printed = ('a "quoted" line, a back\\slash,\ta tab\r\n' * 200)
+    printed = 'a "quoted" line, a back\\slash,\ta tab\r\n' * (runner._SCAN_FROM // 20)
     assert json.loads(runner._json_string(printed)) == printed
 
 
