@@ -66,6 +66,23 @@ def test_data_frames_are_the_compact_json_of_their_fields(data: bytes, oldest: i
     assert data_frame(9, "stdout", data, oldest).startswith(processes.DATA_FRAME)
 
 
+def test_the_agent_encodes_output_with_pybase64_as_binascii_would() -> None:
+    """The agent runs as `python -I -S` (no site): it still finds pybase64 in its own
+    environment (which has it here, as the engine's has), takes nothing else from there, and
+    its encoder writes what binascii's does."""
+    import subprocess
+
+    guest = Path(processes.__file__).parent / "guest"
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); before = list(sys.path); import processes; "
+             "encode = processes._output_encoder(); print(encode.__module__, sys.path == before)")
+    found = subprocess.run([sys.executable, "-I", "-S", "-c", probe, str(guest)], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert found == ["pybase64._pybase64", "True"]
+    guest_processes = sys.modules[data_frame.__module__]
+    for data in (b"", b"x", bytes(range(256)) * 1025, b"\xff" * 100_001):
+        assert guest_processes._output_encoder()(data) == guest_processes._stdlib_base64(data)
+
+
 def test_the_relays_window_fits_in_what_the_agent_retains() -> None:
     """What the kernel has not acknowledged is still retained by the agent, so a reconnect
     replays it: the relay's window plus one whole chunk (the agent drops whole chunks) and
