@@ -68,8 +68,8 @@ def test_data_frames_are_the_compact_json_of_their_fields(data: bytes, oldest: i
 
 def test_the_agent_encodes_output_with_pybase64_as_binascii_would() -> None:
     """The agent runs as `python -I -S` (no site): it still finds pybase64 in its own
-    environment (which has it here, as the engine's has), takes nothing else from there, and
-    its encoder writes what binascii's does."""
+    environment (which has it here, as the engine's has), leaves its import path as it was,
+    and its encoder writes what binascii's does."""
     import subprocess
 
     guest = Path(processes.__file__).parent / "guest"

@@ -2,7 +2,8 @@
 
 The table lives in the agent, not in the engine: it survives an engine restart (the
 engine is a thin proxy that re-reads it), and the memory it holds is charged to the
-sandbox's own cgroup. Stdlib only, like agent.py.
+sandbox's own cgroup. Stdlib only, like agent.py (pybase64 encodes output where the
+environment has it: _output_encoder).
 
 What a client can rely on:
 - A process starts in its own session (pipes: stdin/stdout/stderr; PTY: one terminal,
