@@ -40,6 +40,7 @@ from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
 from . import __version__, early_start, ownership, runner_protocol as protocol
+from .allocator import reuse_large_buffers
 from .api import SandboxAPIError
 from .config import ConfigError, Settings
 from .event_lines import stream_content
@@ -959,6 +960,7 @@ def main() -> None:
     first, while the control thread may still be flushing after the shutdown_reply: that
     flush then waits out its timeout (10 s) for IOPub, and the kernel lingers."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    reuse_large_buffers()
     app = IPKernelApp.instance(kernel_class=SandboxKernel)
     app.initialize()
     # The kernel's own lines (where its sandbox runs) at the app's level: `--debug` or
