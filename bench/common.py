@@ -63,7 +63,7 @@ class BenchEnv:
 
 
 @contextlib.contextmanager
-def bench_env(extra_sandbox_env: dict[str, str] | None = None) -> Iterator[BenchEnv]:
+def bench_env() -> Iterator[BenchEnv]:
     """A private state dir with a running local engine and both kernelspecs installed.
 
     The engine is started up front so that "cold start" below means a new sandbox, not a
