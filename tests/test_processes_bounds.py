@@ -27,7 +27,7 @@ MIB = 1 << 20
 FLOOD = ("import os, sys\nblock = os.urandom(1 << 16)\nwrite = sys.stdout.buffer.write\n"
          "for _ in range(4800): write(block)")
 ENGINE_GROWTH_BOUND = 32 * MIB  # frames in flight to one client: 3 x ~350 KiB, plus buffers
-AGENT_GROWTH_BOUND = 32 * MIB  # the 4 MiB window, plus allocator slack
+AGENT_GROWTH_BOUND = 32 * MIB  # the 8 MiB window, plus allocator slack
 
 
 def rss(pid: int) -> int:

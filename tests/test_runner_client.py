@@ -173,10 +173,11 @@ def test_the_relay_writes_no_further_ahead_of_the_kernel_than_its_window(daemon:
     out = relay.process.stdout
     assert out is not None
     try:
-        relay.send({"op": "run", "cell_id": new_cell_id(), "code": "import sys\nsys.stdout.write('z' * (4 << 20))",
+        size = CHANNEL_WINDOW + (1 << 20)
+        relay.send({"op": "run", "cell_id": new_cell_id(), "code": f"import sys\nsys.stdout.write('z' * {size})",
                     "output_rate": 0})
         data = b""
-        # Unacknowledged, it stops at its window (the cell has 4 MiB to show).
+        # Unacknowledged, it stops at its window (the cell has a MiB more to show).
         while select.select([out], [], [], 1.0)[0]:
             chunk = os.read(out.fileno(), 1 << 16)
             assert chunk
@@ -188,6 +189,6 @@ def test_the_relay_writes_no_further_ahead_of_the_kernel_than_its_window(daemon:
             relay.process.stdin.flush()  # type: ignore[union-attr]
             data += os.read(out.fileno(), 1 << 20)
         events = [json.loads(line) for line in data.splitlines()]
-        assert "".join(e.get("text", "") for e in events if e["type"] == "stream") == "z" * (4 << 20)
+        assert "".join(e.get("text", "") for e in events if e["type"] == "stream") == "z" * size
     finally:
         relay.close()

@@ -10,7 +10,7 @@ went away. Semantics a client (the kernel) can rely on:
   shell). Per-process `env` is added to the sandbox's envs and wins; `cwd` defaults to
   /workspace. A command that cannot start answers 400.
 - Output frames are numbered from 1 per process; each process retains its newest
-  4 MiB of output (guest/processes.py WINDOW_BYTES; each chunk is also charged 128 bytes,
+  8 MiB of output (guest/processes.py WINDOW_BYTES; each chunk is also charged 128 bytes,
   so tiny chunks cannot outgrow it). `connect?after=N` replays retained frames with
   seq > N, then follows live output, then sends `exit` (seq = last data seq) and ends.
   `exit` falls due when the leader has exited and its output ended or its tree is gone.
@@ -27,7 +27,7 @@ went away. Semantics a client (the kernel) can rely on:
   group (PTY: to the terminal's foreground job). wait: `scope=leader|tree`, `timeout_ms`
   (answers the process as it is when the time runs out).
 - list: live and exited processes; at most 32 per sandbox (the oldest exited ones make
-  room; 409 when all 32 still run), so the sandbox holds at most ~130 MiB of output.
+  room; 409 when all 32 still run), so the sandbox holds at most ~260 MiB of output.
 - Every request needs the sandbox running (409 otherwise: a paused agent cannot answer).
   Pause freezes the processes with the sandbox; open streams stay open (heartbeats) and
   carry on at resume. Destroy ends them. A fork starts with an empty table: the source's

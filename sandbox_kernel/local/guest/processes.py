@@ -51,9 +51,12 @@ import time
 from collections.abc import Callable
 
 # Retained output per process: the kernel's relay writes at most runner_client.CHANNEL_WINDOW
-# (3.5 MiB) ahead of the kernel's acknowledgements, which must stay within it. Charged to
-# the sandbox's memory (at most MAX_PROCESSES windows).
-WINDOW_BYTES = 4 << 20
+# (7.5 MiB) ahead of the kernel's acknowledgements, which must stay within it. Charged to
+# the sandbox's memory (at most MAX_PROCESSES windows), and only as far as a process's
+# output fills it. 8 MiB, not 4: half as many acknowledgements in a long print, each an API
+# call through kernel, engine and agent (a 20 MiB print: kernel CPU 322 -> 282 ms and
+# 10 % more throughput, side by side).
+WINDOW_BYTES = 8 << 20
 CHUNK_OVERHEAD = 128  # bytes each retained chunk is charged beyond its data (deque slot, bytes object)
 MAX_PROCESSES = 32
 MAX_COMMAND_LINE = 64 * 1024  # cmd + args + cwd, in characters: every description repeats them
