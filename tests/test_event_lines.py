@@ -120,6 +120,9 @@ def test_the_runners_escaping_of_long_text_is_json_encoders(runner: Any, monkeyp
     '["not", "an", "object", "text": "a"}',
     '{"type": "stream", "name": "stdout", "text": "é raw"}',
     '{"type": "stream", "name": "stdout", "text": "lone \ud800 and \udcff raw"}',
+    # characters of several bytes (or none, a lone surrogate) before the text
+    '{"type": "stream", "name": "stdout", "parent": "ééé", "text": "a"}',
+    '{"type": "stream", "parent": "\ud800\udcff\ud800", "name": "stdout", "text": "a"}',
 ])
 def test_a_forged_line_is_read_as_json_reads_it(line: str) -> None:
     check_agrees_with_json(line)
