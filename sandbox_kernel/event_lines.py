@@ -5,9 +5,10 @@ encode it to JSON a second time (jupyter_client's packer), after the runner alre
 The runner writes a stream event's ``text`` as its last field (runner_protocol), so the
 kernel keeps that field's JSON string as it came and builds the message content around it
 (``stream_content``): the text is decoded once (to count it and to check it), where it
-lies in the line, and never encoded again. A line from the sandbox is never trusted: the kept string is used only when
-the JSON decoder itself read it as exactly one string, so the content built around it is
-valid JSON with exactly that text; any other line is parsed whole, as before.
+lies in the line, and never encoded again. A line from the sandbox is never trusted: the
+kept string is used only when the JSON decoder itself read it as exactly one string, so the
+content built around it is valid JSON with exactly that text; any other line is parsed
+whole, as before.
 """
 
 from __future__ import annotations
