@@ -8,7 +8,8 @@ goes back once it passes the (adaptive) trim threshold. Every fresh page is a pa
 about 12,000 of them per 20 MiB printed. With these settings blocks under MMAP_THRESHOLD
 come from the heap and up to TRIM_THRESHOLD of free memory stays there for the next one:
 the faults are gone (the kernel's CPU for that print: 306 -> 271 ms, side by side) and the
-kernel keeps at most that much more memory than it uses, reused by the next long output.
+kernel keeps up to that much free memory per malloc heap (glibc makes one per thread that
+allocates at the same time as another), for the next long output.
 
 Only the kernel's own process is tuned: the variables glibc reads at start-up
 (MALLOC_*_THRESHOLD_) would be inherited by whatever the kernel starts.
