@@ -158,7 +158,7 @@ def _encode_line(obj: dict) -> bytes:
         # A stream event's text goes last (the kernel publishes it as written here: see
         # runner_protocol), escaped on its own, which is faster than within the dict.
         head = json.dumps({key: value for key, value in obj.items() if key != "text"}, default=_json_default)
-        return head[:-1].encode("ascii") + b', "text": ' + _json_string(text) + b"}\n"
+        return b"".join((head[:-1].encode("ascii"), b', "text": ', _json_string(text), b"}\n"))
     return (json.dumps(obj, ensure_ascii=True, default=_json_default) + "\n").encode("ascii")
 
 
@@ -184,7 +184,7 @@ def _json_string(text: str) -> bytes:
         if not any(rare in raw for rare in _RARE_ESCAPES):
             for plain, escaped in _COMMON_ESCAPES:  # the backslash first: the others add some
                 raw = raw.replace(plain, escaped)
-            return b'"' + raw + b'"'
+            return b"".join((b'"', raw, b'"'))
     return json.encoder.encode_basestring_ascii(text).encode("ascii")
 
 
