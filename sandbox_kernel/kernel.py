@@ -539,11 +539,16 @@ class SandboxKernel(Kernel):
     # -- comms (ipywidgets...): the comm manager lives in the sandbox ---------------------------
 
     async def dispatch_shell(self, msg, /, subshell_id=None, *, concurrent=False):  # type: ignore[no-untyped-def]
-        token = DISPATCHED_CONCURRENTLY.set(concurrent)
-        try:
-            await super().dispatch_shell(msg, subshell_id=subshell_id, concurrent=concurrent)
-        finally:
-            DISPATCHED_CONCURRENTLY.reset(token)
+        """Each message is handled in a context of its own. ipykernel runs all of a shell's
+        messages in one shared context, and when a comm message it dispatched concurrently
+        ends, it sets that context's parent back to the one it saw when it began. Here comm
+        handlers take a round trip, so a message handled in turn may have begun meanwhile:
+        it then published its idle under the restored (earlier) parent, and the frontend
+        never saw this message go idle (ipywidgets' page stopped sending changes)."""
+        context = contextvars.copy_context()
+        context.run(DISPATCHED_CONCURRENTLY.set, concurrent)
+        await asyncio.create_task(super().dispatch_shell(msg, subshell_id=subshell_id, concurrent=concurrent),
+                                  context=context)
 
     async def _comm_from_frontend(self, stream, ident, parent):  # type: ignore[no-untyped-def]
         """comm_open/comm_msg/comm_close: run in the sandbox like a silent cell, so the

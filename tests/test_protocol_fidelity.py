@@ -402,6 +402,40 @@ def test_each_comm_message_of_a_burst_is_busy_then_idle(kc: BlockingKernelClient
     assert run(kc, "print(seen)").text() == "[0, 1, 2, 3]\n"
 
 
+def test_a_comm_message_handled_in_turn_goes_idle_under_its_own_parent(kc: BlockingKernelClient) -> None:
+    """The order that made a burst flaky: a comm message comes while the first is handled
+    (ipykernel dispatches it concurrently), the first ends, and a third comes while the second
+    is still in the sandbox, so it is handled in turn. ipykernel's concurrent dispatch puts the
+    shell's parent back when it ends, the parent it saw when it began: the first one's. The
+    third then went idle under the first's parent and its own idle never came."""
+    run(kc, "import comm, time\nslow = comm.create_comm(target_name='slow')\n"
+            "slow.on_msg(lambda msg: time.sleep(msg['content']['data']['sleep']))")
+    comm_id = next(iter(kc.comm_info("slow", reply=True, timeout=TIMEOUT)["content"]["comms"]))
+
+    def send(sleep: float) -> str:
+        message = kc.session.send(kc.shell_channel.socket, "comm_msg", {"comm_id": comm_id, "data": {"sleep": sleep}})
+        return str(message["header"]["msg_id"])
+
+    statuses: dict[str, list[str]] = {send(0.5): [], send(5): []}  # the first is still in the sandbox
+    first, second = statuses
+    third = ""
+    order: list[tuple[str, str]] = []
+    while any(states != ["busy", "idle"] for states in statuses.values()):
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        validate(msg)
+        parent = msg["parent_header"].get("msg_id")
+        if msg["msg_type"] != "status" or parent not in statuses:
+            continue
+        statuses[parent].append(msg["content"]["execution_state"])
+        order.append((parent, msg["content"]["execution_state"]))
+        assert len(statuses[parent]) <= 2, statuses
+        if parent == first and statuses[first] == ["busy", "idle"]:
+            third = send(0)  # the shell is free: handled in turn, while the second sleeps
+            statuses[third] = []
+    assert order.index((third, "busy")) < order.index((second, "idle")), "the third came after the second ended"
+    assert run(kc, "'done'").of_type("execute_result")[0]["data"]["text/plain"] == "'done'"
+
+
 def test_a_cell_that_awaits_a_widgets_answer_gets_it(kc: BlockingKernelClient) -> None:
     """The frontend's comm message reaches the sandbox while a cell awaits it, and the
     handler's output is shown on the comm message's parent."""
