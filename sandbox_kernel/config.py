@@ -11,15 +11,11 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+import tomllib
 
 from . import names
 from .api import SandboxClient

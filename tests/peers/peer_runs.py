@@ -16,10 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:
-    import tomli as tomllib
+import tomllib
 
 HERE = Path(__file__).resolve().parent
 KNOWN_FAILURES = HERE / "known_failures.toml"
