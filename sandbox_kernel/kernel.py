@@ -966,7 +966,11 @@ def main() -> None:
     flush then waits out its timeout (10 s) for IOPub, and the kernel lingers."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     reuse_large_buffers()
-    app = IPKernelApp.instance(kernel_class=SandboxKernel)
+    # No OutStream for the kernel process: the notebook's output comes from the sandbox, and
+    # what this process writes (a library's warning) belongs in its log, not in a cell. ipykernel
+    # flushes sys.stdout and sys.stderr four times a cell, each an OutStream's round trip to the
+    # IOPub thread while the shell waits: ~2 ms of a trivial cell's 16 measured side by side.
+    app = IPKernelApp.instance(kernel_class=SandboxKernel, outstream_class=None)
     app.initialize()
     # The kernel's own lines (where its sandbox runs) at the app's level: `--debug` or
     # `--IPKernelApp.log_level=INFO` shows them; by default stderr stays as quiet as ipykernel's.
