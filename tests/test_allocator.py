@@ -13,7 +13,8 @@ from jupyter_client import BlockingKernelClient, KernelManager
 
 from kernel_helpers import execute
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
+pytestmark = [pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's"),
+              pytest.mark.one_path]
 
 # Buffers of a long print's sizes, several alive at once, then freed, over and over: the
 # page faults of the repetitions (after a first round that may fault in the heap).

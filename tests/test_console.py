@@ -15,7 +15,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 
 from kernel_helpers import TIMEOUT, execute, running_kernel
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_path]
 
 ANSI_CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_path]
 
 
 def test_papermill_injects_parameters(kernelspec: str, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from kernel_helpers import (PROVIDER, TIMEOUT, Execution, execute, is_status_lin
 from message_spec import validate
 from sandbox_kernel.local.service import EngineEndpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_path]
 
 
 def run(kc: BlockingKernelClient, code: str, **kwargs: Any) -> Execution:

@@ -21,7 +21,7 @@ from kernel_helpers import TIMEOUT, execute, running_kernel, wait_busy_then_idle
 from message_spec import validate
 from sandbox_kernel.local.service import EngineEndpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_path]
 
 WAIT = 60  # seconds a cell waits for its partner before it fails (only if concurrency is broken)
 

@@ -20,7 +20,7 @@ from jupyter_client.manager import KernelManager
 
 from kernel_helpers import TIMEOUT, execute, running_kernel
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_path]
 
 NOTICE = "[sandbox-kernel] output limit reached: 2 MiB shown, further output of this cell discarded\n"
 SMALL_LIMIT = 2 * 1024 * 1024
