@@ -59,7 +59,6 @@ HANDOFF_MAX_AGE = RESTART_HANDOFF_WAIT  # a restart hand-off older than this is 
 # a kernel that takes 5 s), then stop waiting and find the sandbox by its name (shutdown_policy.py).
 BOOT_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
-CONTROL_THREAD_WAIT = 5.0  # at exit, for the control thread to finish its last message
 USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
 # Bytes of debug events the sandbox may send between two debug requests of the frontend
 # (an honest debugger sends a few small events per step); the rest are dropped.
@@ -960,27 +959,21 @@ class _EventTranslator:
 
 def main() -> None:
     """ipykernel's own app (its log lines keep their "[IPKernelApp]" prefix, which tools such
-    as nbclient expect), with one change at exit: once the shell's loop has stopped (a
-    shutdown), let the control thread finish before the process exits. ipykernel stops IOPub
-    first, while the control thread may still be flushing after the shutdown_reply: that
-    flush then waits out its timeout (10 s) for IOPub, and the kernel lingers."""
+    as nbclient expect)."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     reuse_large_buffers()
     # No OutStream for the kernel process: the notebook's output comes from the sandbox, and
     # what this process writes (a library's warning) belongs in its log, not in a cell. ipykernel
     # flushes sys.stdout and sys.stderr four times a cell, each an OutStream's round trip to the
     # IOPub thread while the shell waits: ~2 ms of a trivial cell's 16 measured side by side.
+    # At exit the control thread's flush after its shutdown_reply waited for IOPub, which
+    # ipykernel had stopped already, and the kernel lingered 10 s (killed by jupyter_client).
     app = IPKernelApp.instance(kernel_class=SandboxKernel, outstream_class=None)
     app.initialize()
     # The kernel's own lines (where its sandbox runs) at the app's level: `--debug` or
     # `--IPKernelApp.log_level=INFO` shows them; by default stderr stays as quiet as ipykernel's.
     logging.getLogger("sandbox_kernel").setLevel(app.log_level)
-    try:
-        app.start()
-    finally:
-        if app.control_thread and app.control_thread.is_alive():
-            app.control_thread.stop()
-            app.control_thread.join(CONTROL_THREAD_WAIT)
+    app.start()
 
 
 if __name__ == "__main__":
