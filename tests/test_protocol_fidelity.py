@@ -416,7 +416,7 @@ def test_a_comm_message_handled_in_turn_goes_idle_under_its_own_parent(kc: Block
         message = kc.session.send(kc.shell_channel.socket, "comm_msg", {"comm_id": comm_id, "data": {"sleep": sleep}})
         return str(message["header"]["msg_id"])
 
-    statuses: dict[str, list[str]] = {send(0.5): [], send(5): []}  # the first is still in the sandbox
+    statuses: dict[str, list[str]] = {send(1): [], send(5): []}  # the second comes while the first sleeps
     first, second = statuses
     third = ""
     order: list[tuple[str, str]] = []
