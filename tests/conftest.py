@@ -101,7 +101,8 @@ def vendor_sandbox(vendor: Client) -> Iterator[SandboxInstance]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that starts kernels `kernel` (the CreateOS-path run selects them),
     except those marked `one_path`: they test what lies past the sandbox API (the Jupyter
-    protocol, the debugger, frontends, the kernel's own memory), the same code on both paths."""
+    protocol, subshells, frontends, output floods, the kernel's own memory), the same code on
+    both paths."""
     for item in items:
         if "kernelspec" in getattr(item, "fixturenames", ()) and item.get_closest_marker("one_path") is None:
             item.add_marker(pytest.mark.kernel)
