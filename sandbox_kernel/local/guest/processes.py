@@ -141,10 +141,13 @@ class ManagedProcess:
 
     # -- events -----------------------------------------------------------------------
 
-    async def next_change(self) -> None:
-        """Return at the next change (output, exit, tree exit). Shielded: one waiter's
-        cancellation must not cancel the future all the others share."""
-        await asyncio.shield(self._changed)
+    def next_change(self) -> asyncio.Future:
+        """Done at the next change (output, exit, tree exit) after this call. Shielded: one
+        waiter's cancellation must not cancel the future all the others share. A plain
+        function, so the future is taken now: as a coroutine it was taken at its first step,
+        which asyncio.wait_for (Python 3.11) runs a loop turn later, and a change in between
+        left the waiter on the next future, asleep until its timeout."""
+        return asyncio.shield(self._changed)
 
     def notify(self) -> None:
         self._changed.set_result(None)
