@@ -245,16 +245,18 @@ async def open_client(settings: Settings, state: Path | None = None) -> SandboxC
     """A client for the configured provider; for the local engine, start it if needed."""
     if settings.provider == "createos":
         return SandboxClient(settings.base_url, settings.api_key)
-    from .local.service import ensure_engine
-
-    from .local.service import EngineRestarting
+    from .api.kept_connections import KeptConnections
+    from .local.service import EngineRestarting, ensure_engine
 
     state = state or state_dir()
     endpoint = await asyncio.to_thread(ensure_engine, state, settings.engine_idle_timeout)
     if settings.engine_transport == "unix" and endpoint.socket:
         # The socket's path stays when the engine is restarted: a request that finds no
-        # engine there starts one (which takes the sandboxes over) and goes again.
-        return SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, endpoint.token, uds=endpoint.socket,
-                             transport=EngineRestarting(endpoint.socket, state, settings.engine_idle_timeout,
-                                                       endpoint.pid))
+        # engine there starts one (which takes the sandboxes over) and goes again. Both
+        # transports do, the general one and the one for process input (kept_connections.py).
+        socket, idle_timeout = endpoint.socket, settings.engine_idle_timeout
+        return SandboxClient(
+            LOCAL_ENGINE_URL_FOR_UDS, endpoint.token, uds=socket,
+            transport=EngineRestarting(socket, state, idle_timeout, endpoint.pid),
+            input_transport=EngineRestarting(socket, state, idle_timeout, endpoint.pid, KeptConnections(uds=socket)))
     return SandboxClient(endpoint.url, endpoint.token)

@@ -1,6 +1,7 @@
 """Async client of the CreateOS Sandbox REST API (and of the local engine, which speaks the same API).
 
-One ``httpx.AsyncClient`` (one connection pool) per :class:`SandboxClient`. Retry policy (createos-api.md §1.4/§15.1):
+One ``httpx.AsyncClient`` (one connection pool) per :class:`SandboxClient`, and for a managed process's input
+(every cell and acknowledgement) connections of its own (kept_connections.py). Retry policy (createos-api.md §1.4/§15.1):
 
 * GET/HEAD/PUT/DELETE: retried on transport errors (connect, read, timeouts...) and on 408/500/502/503/504;
 * POST/PATCH (create, exec, pause, fork...): retried only on 429/503 (the server provably did not process them);
@@ -17,6 +18,7 @@ import asyncio
 import base64
 import json
 import random
+import urllib.request
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Mapping, Sequence, TypeVar
 from urllib.parse import quote, urlsplit
@@ -26,6 +28,7 @@ import httpx
 import pybase64
 import pydantic
 
+from .kept_connections import KeptConnections
 from .envelope import error_from_response, parse_response, protocol_error, unwrap_page
 from .errors import (
     APITimeoutError,
@@ -83,6 +86,13 @@ _RETRY_STATUS_IDEMPOTENT = frozenset({408, 429, 500, 502, 503, 504})
 _RETRY_STATUS_ANY = frozenset({429, 503})
 _SSE_SKIP_PREFIXES = (":", "event:", "id:", "retry:")
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+
+def _proxied(scheme: str, host: str) -> bool:
+    """Whether the environment sends requests to this host through a proxy (as httpx reads
+    it: the scheme's or ALL_PROXY, unless NO_PROXY exempts the host)."""
+    proxies = urllib.request.getproxies()
+    return bool(proxies.get(scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host)
 # httpcore receives at most READ_NUM_BYTES (64 KiB) at a time, each read through anyio's
 # timeout scope and h11's parser: a process's output stream of 20 MiB took ~500 reads,
 # whose overhead was a quarter of the kernel's work on it. A read takes what the socket
@@ -336,6 +346,9 @@ class SandboxClient:
         timeout: per-request timeout (s), applied to connect, read, write and pool wait (each idle gap).
         max_retries: retries after the first attempt (see the module docstring for the policy).
         transport: an httpx transport (tests: ``httpx.MockTransport``); overrides ``uds``.
+        input_transport: the transport of a managed process's ``input`` calls (every cell, acknowledgement and
+            comm message): by default kept connections of their own to the same server, see kept_connections.py;
+            with ``transport`` given (and no ``input_transport``), or where a proxy applies, ``transport``.
         sleep: awaited between retries (inject a fake in tests).
         max_retry_after: a ``Retry-After`` above this many seconds is not waited for; the error is raised instead.
     """
@@ -349,6 +362,7 @@ class SandboxClient:
         timeout: float = 60.0,
         max_retries: int = 2,
         transport: httpx.AsyncBaseTransport | None = None,
+        input_transport: httpx.AsyncBaseTransport | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         max_retry_after: float = 120.0,
     ) -> None:
@@ -371,13 +385,20 @@ class SandboxClient:
         if transport is None and uds is not None:
             transport = httpx.AsyncHTTPTransport(uds=uds, verify=tls)
         host = (split.hostname or "").lower()
+        trust_env = uds is None and host not in _LOOPBACK_HOSTS
+        if input_transport is None and transport is None and not (uds and tls) \
+                and not (trust_env and _proxied(split.scheme, host)):
+            input_transport = KeptConnections(
+                uds=uds, host=host, port=split.port or (443 if tls else 80),
+                tls=(lambda: httpx.create_ssl_context(trust_env=trust_env)) if tls else None)
+        self._input_transport = input_transport
         self._http = httpx.AsyncClient(
             transport=transport,
             verify=tls,
             timeout=httpx.Timeout(self._timeout),
             follow_redirects=False,
             # env proxies / netrc must not capture a loopback or unix-socket local engine
-            trust_env=uds is None and host not in _LOOPBACK_HOSTS,
+            trust_env=trust_env,
             headers={"User-Agent": USER_AGENT, "Accept": "application/json"},
         )
 
@@ -399,6 +420,8 @@ class SandboxClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        if self._input_transport is not None:
+            await self._input_transport.aclose()
 
     @property
     def closed(self) -> bool:
@@ -476,6 +499,20 @@ class SandboxClient:
                 attempt += 1
                 continue
             return response
+
+    async def _send_input(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """POST a process's input over the input transport, around httpx's client (never retried)."""
+        headers = {"User-Agent": USER_AGENT, "Accept": "application/json", "Content-Type": "application/json",
+                   **self._headers("POST", path)}
+        request = httpx.Request("POST", self._base_url + path, headers=headers, content=json.dumps(body).encode(),
+                                extensions={"timeout": self._timeout_for(None).as_dict()})
+        assert self._input_transport is not None
+        try:
+            response = await self._input_transport.handle_async_request(request)
+            await response.aread()
+        except httpx.TransportError as exc:
+            raise self._transport_error(exc, "POST", path, 1) from None
+        return response
 
     async def _call(
         self,
@@ -749,7 +786,11 @@ class SandboxClient:
         retry could write twice)."""
         path = self._proc(sandbox_id, process_id, "/input")
         body = ProcessInput(data_base64=base64.b64encode(data).decode()).to_wire()
-        ack = await self._call("POST", path, json_body=body, retry=False)
+        if self._input_transport is None:
+            ack = await self._call("POST", path, json_body=body, retry=False)
+        else:
+            ack = parse_response(await self._send_input(path, body), method="POST", path=self._prefix + path,
+                                 secrets=self._secrets)
         return self._decode(ProcessInputAck, ack, "POST", path).input_seq
 
     async def close_process_stdin(self, sandbox_id: str, process_id: str) -> None:

@@ -114,8 +114,9 @@ class EngineRestarting(httpx.AsyncBaseTransport):
     as the kernel did at start, and sends the request again where that is safe (below): the
     new engine has taken the sandboxes over (registry.py), so the kernel carries on where it was."""
 
-    def __init__(self, socket_path: str, state_dir: Path, idle_timeout: float, engine_pid: int | None = None) -> None:
-        self.inner = httpx.AsyncHTTPTransport(uds=socket_path, verify=False)
+    def __init__(self, socket_path: str, state_dir: Path, idle_timeout: float, engine_pid: int | None = None,
+                 inner: httpx.AsyncBaseTransport | None = None) -> None:
+        self.inner = inner or httpx.AsyncHTTPTransport(uds=socket_path, verify=False)
         self.state_dir = state_dir
         self.idle_timeout = idle_timeout
         self.engine_pid = engine_pid  # of the engine serving now, when known
