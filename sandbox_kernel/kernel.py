@@ -970,6 +970,10 @@ def main() -> None:
     # ipykernel had stopped already, and the kernel lingered 10 s (killed by jupyter_client).
     app = IPKernelApp.instance(kernel_class=SandboxKernel, outstream_class=None)
     app.initialize()
+    # traitlets leaves the app's logger at DEBUG and filters in its handlers: every debug line
+    # of ipykernel's (several a message, the message formatted whole) was made, then dropped.
+    # The logger now lets through only what some handler of it would write.
+    app.log.setLevel(min((handler.level or logging.DEBUG for handler in app.log.handlers), default=app.log_level))
     # The kernel's own lines (where its sandbox runs) at the app's level: `--debug` or
     # `--IPKernelApp.log_level=INFO` shows them; by default stderr stays as quiet as ipykernel's.
     logging.getLogger("sandbox_kernel").setLevel(app.log_level)
