@@ -86,6 +86,7 @@ _RETRY_STATUS_IDEMPOTENT = frozenset({408, 429, 500, 502, 503, 504})
 _RETRY_STATUS_ANY = frozenset({429, 503})
 _SSE_SKIP_PREFIXES = (":", "event:", "id:", "retry:")
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+MAX_INPUT_URLS = 64
 
 
 def _proxied(scheme: str, host: str) -> bool:
@@ -392,6 +393,7 @@ class SandboxClient:
                 uds=uds, host=host, port=split.port or (443 if tls else 80),
                 tls=(lambda: httpx.create_ssl_context(trust_env=trust_env)) if tls else None)
         self._input_transport = input_transport
+        self._input_urls: dict[str, httpx.URL] = {}  # by path: each process's input URL, parsed once
         self._http = httpx.AsyncClient(
             transport=transport,
             verify=tls,
@@ -504,7 +506,12 @@ class SandboxClient:
         """POST a process's input over the input transport, around httpx's client (never retried)."""
         headers = {"User-Agent": USER_AGENT, "Accept": "application/json", "Content-Type": "application/json",
                    **self._headers("POST", path)}
-        request = httpx.Request("POST", self._base_url + path, headers=headers, content=json.dumps(body).encode(),
+        url = self._input_urls.get(path)
+        if url is None:  # parsing the URL was half of building the request
+            if len(self._input_urls) >= MAX_INPUT_URLS:  # the processes of long ago
+                self._input_urls.clear()
+            url = self._input_urls[path] = httpx.URL(self._base_url + path)
+        request = httpx.Request("POST", url, headers=headers, content=json.dumps(body).encode(),
                                 extensions={"timeout": self._timeout_for(None).as_dict()})
         assert self._input_transport is not None
         try:
