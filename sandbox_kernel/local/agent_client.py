@@ -16,6 +16,12 @@ MAX_REQUEST = 1 << 20
 # Longest line accepted from the agent. Its exec frames carry at most 64 KiB of text,
 # which JSON escaping can grow sixfold (a control byte becomes \u0001): about 400 KiB.
 MAX_REPLY_LINE = 1 << 20
+# The longest line of a process's connect stream: a data frame carries at most 256 KiB of
+# output (guest/processes.py READ_CHUNK), about 350 KiB in base64. It also sizes the stream's
+# buffer: asyncio reads on until twice the limit is buffered, and each read that finds a
+# buffer full copies it whole to grow it: at 1 MiB, StreamReader.feed_data was 24 % of the
+# engine's samples while 20 MiB passed through (py-spy), at this 11 %.
+MAX_CONNECT_LINE = 384 * 1024
 # The longest answer line of a managed-process op: a list of 32 processes whose command
 # lines may each take up to 64 KiB (guest/processes.py MAX_COMMAND_LINE).
 MAX_PROCESS_REPLY = 4 << 20
@@ -129,7 +135,8 @@ class AgentClient:
     async def process_connect(self, process_id: str, after: int) -> AsyncIterator[AsyncIterator[bytes]]:
         """The process's connect frames, one JSON line each, as the agent sends them; AgentError
         before any frame if there is no such process. Leaving the block disconnects."""
-        async with self.connection({"op": "process_connect", "id": process_id, "after": after}) as (reader, _):
+        request = {"op": "process_connect", "id": process_id, "after": after}
+        async with self.connection(request, limit=MAX_CONNECT_LINE) as (reader, _):
             await self._reply(reader)
             yield self._lines(reader)
 
