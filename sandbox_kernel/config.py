@@ -253,10 +253,10 @@ async def open_client(settings: Settings, state: Path | None = None) -> SandboxC
     if settings.engine_transport == "unix" and endpoint.socket:
         # The socket's path stays when the engine is restarted: a request that finds no
         # engine there starts one (which takes the sandboxes over) and goes again. Both
-        # transports do, the general one and the one for process input (kept_connections.py).
+        # transports do, the general one and the one for a process's input and output (kept_connections.py).
         socket, idle_timeout = endpoint.socket, settings.engine_idle_timeout
         return SandboxClient(
             LOCAL_ENGINE_URL_FOR_UDS, endpoint.token, uds=socket,
             transport=EngineRestarting(socket, state, idle_timeout, endpoint.pid),
-            input_transport=EngineRestarting(socket, state, idle_timeout, endpoint.pid, KeptConnections(uds=socket)))
+            process_transport=EngineRestarting(socket, state, idle_timeout, endpoint.pid, KeptConnections(uds=socket)))
     return SandboxClient(endpoint.url, endpoint.token)

@@ -71,6 +71,13 @@ def post(body: bytes = b'{"data_base64": "eAo="}', read_timeout: float = 5.0) ->
                          extensions={"timeout": {"connect": 5.0, "read": read_timeout, "write": 5.0, "pool": 5.0}})
 
 
+async def send(transport: KeptConnections, request: httpx.Request) -> httpx.Response:
+    """One call, its answer read whole (as the client reads an input call's)."""
+    response = await transport.handle_async_request(request)
+    await response.aread()
+    return response
+
+
 def reply(body: bytes, status: str = "200 OK", *headers: bytes) -> Answer:
     async def answer(_request: bytes, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
@@ -82,7 +89,7 @@ def reply(body: bytes, status: str = "200 OK", *headers: bytes) -> Answer:
 async def test_an_answer_is_read_and_the_connection_kept_for_the_next_call(serve) -> None:
     scripted, transport = await serve(reply(b'{"status": "success", "data": {"input_seq": 1}}'))
     for _ in range(3):
-        response = await transport.handle_async_request(post())
+        response = await send(transport, post())
         assert response.status_code == 200
         assert response.json() == {"status": "success", "data": {"input_seq": 1}}
     assert scripted.connections == 1
@@ -94,7 +101,7 @@ async def test_an_answer_is_read_and_the_connection_kept_for_the_next_call(serve
 async def test_an_error_answer_keeps_its_status_headers_and_body(serve) -> None:
     _, transport = await serve(reply(b'{"status": "error", "message": "no such process"}', "404 Not Found",
                                      b"retry-after: 3"))
-    response = await transport.handle_async_request(post())
+    response = await send(transport, post())
     assert response.status_code == 404
     assert response.headers["retry-after"] == "3"
     assert response.json()["message"] == "no such process"
@@ -107,8 +114,8 @@ async def test_chunked_and_close_delimited_answers_are_read_whole(serve) -> None
         await writer.drain()
 
     scripted, transport = await serve(chunked)
-    assert (await transport.handle_async_request(post())).content == b"hello, world"
-    assert (await transport.handle_async_request(post())).content == b"hello, world"
+    assert (await send(transport, post())).content == b"hello, world"
+    assert (await send(transport, post())).content == b"hello, world"
     assert scripted.connections == 1
 
     async def until_close(_request: bytes, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -118,14 +125,14 @@ async def test_chunked_and_close_delimited_answers_are_read_whole(serve) -> None
 
     scripted, transport = await serve(until_close)
     for _ in range(2):
-        assert (await transport.handle_async_request(post())).content == b"x" * 100_000
+        assert (await send(transport, post())).content == b"x" * 100_000
     assert scripted.connections == 2  # an answer framed by the close ends its connection
 
 
 async def test_connection_close_and_http_1_0_are_not_reused(serve) -> None:
     scripted, transport = await serve(reply(b"{}", "200 OK", b"connection: close"))
-    await transport.handle_async_request(post())
-    await transport.handle_async_request(post())
+    await send(transport, post())
+    await send(transport, post())
     assert scripted.connections == 2
 
 
@@ -135,9 +142,9 @@ async def test_an_idle_connection_the_server_closed_is_not_reused(serve) -> None
         writer.close()  # as a server ends an idle kept-alive connection
 
     scripted, transport = await serve(once_then_close)
-    await transport.handle_async_request(post())
+    await send(transport, post())
     await asyncio.sleep(0.2)  # the close reaches this side (handled or not by the event loop)
-    assert (await transport.handle_async_request(post())).status_code == 200
+    assert (await send(transport, post())).status_code == 200
     assert scripted.connections == 2 and len(scripted.requests) == 2
 
 
@@ -147,10 +154,10 @@ async def test_calls_at_the_same_time_each_get_a_connection(serve) -> None:
         await reply(b"{}")(request, reader, writer)
 
     scripted, transport = await serve(slow)
-    answers = await asyncio.gather(*(transport.handle_async_request(post()) for _ in range(4)))
+    answers = await asyncio.gather(*(send(transport, post()) for _ in range(4)))
     assert [answer.status_code for answer in answers] == [200] * 4
     assert scripted.connections == 4
-    await transport.handle_async_request(post())
+    await send(transport, post())
     assert scripted.connections == 4  # one of those kept was reused (at most KEEP_IDLE are kept)
 
 
@@ -177,8 +184,8 @@ async def test_a_broken_answer_is_a_protocol_error_and_the_connection_is_dropped
 
     scripted, transport = await serve(broken_then_good)
     with pytest.raises(error):
-        await transport.handle_async_request(post())
-    assert (await transport.handle_async_request(post())).status_code == 200
+        await send(transport, post())
+    assert (await send(transport, post())).status_code == 200
     assert scripted.connections == 2
 
 
@@ -188,10 +195,52 @@ async def test_a_silent_server_is_a_read_timeout_and_a_closed_port_a_connect_err
 
     scripted, transport = await serve(silent)
     with pytest.raises(httpx.ReadTimeout):
-        await transport.handle_async_request(post(read_timeout=0.3))
+        await send(transport, post(read_timeout=0.3))
     port = scripted.port
     assert scripted.server is not None
     scripted.server.close()
     await scripted.server.wait_closed()
     with pytest.raises(httpx.ConnectError):
-        await KeptConnections(host="127.0.0.1", port=port).handle_async_request(post())
+        await send(KeptConnections(host="127.0.0.1", port=port), post())
+
+
+async def test_a_streamed_answer_arrives_as_written_and_an_abandoned_one_is_not_reused(serve) -> None:
+    rest = asyncio.Event()
+
+    async def two_pieces(_request: bytes, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await rest.wait()
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await writer.drain()
+
+    scripted, transport = await serve(two_pieces)
+    response = await transport.handle_async_request(post())
+    pieces = response.aiter_raw()
+    assert await anext(pieces) == b"first"  # before the server wrote the rest
+    rest.set()
+    assert [piece async for piece in pieces] == [b"second"]
+    await send(transport, post())
+    assert scripted.connections == 1  # read to its end: the connection served the next call
+
+    rest.clear()
+    response = await transport.handle_async_request(post())
+    assert await anext(response.aiter_raw()) == b"first"
+    await response.aclose()  # left mid-answer: its rest must not be read as the next answer
+    rest.set()
+    await send(transport, post())
+    assert scripted.connections == 2
+
+
+async def test_a_stream_silent_longer_than_the_read_timeout_fails_with_read_timeout(serve) -> None:
+    async def one_piece(_request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await reader.read()
+
+    _, transport = await serve(one_piece)
+    response = await transport.handle_async_request(post(read_timeout=0.3))
+    pieces = response.aiter_raw()
+    assert await anext(pieces) == b"first"
+    with pytest.raises(httpx.ReadTimeout):
+        await anext(pieces)

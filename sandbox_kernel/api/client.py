@@ -1,7 +1,8 @@
 """Async client of the CreateOS Sandbox REST API (and of the local engine, which speaks the same API).
 
 One ``httpx.AsyncClient`` (one connection pool) per :class:`SandboxClient`, and for a managed process's input
-(every cell and acknowledgement) connections of its own (kept_connections.py). Retry policy (createos-api.md §1.4/§15.1):
+and output stream (every cell, acknowledgement and event) connections of its own (kept_connections.py).
+Retry policy (createos-api.md §1.4/§15.1):
 
 * GET/HEAD/PUT/DELETE: retried on transport errors (connect, read, timeouts...) and on 408/500/502/503/504;
 * POST/PATCH (create, exec, pause, fork...): retried only on 429/503 (the server provably did not process them);
@@ -86,7 +87,7 @@ _RETRY_STATUS_IDEMPOTENT = frozenset({408, 429, 500, 502, 503, 504})
 _RETRY_STATUS_ANY = frozenset({429, 503})
 _SSE_SKIP_PREFIXES = (":", "event:", "id:", "retry:")
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
-MAX_INPUT_URLS = 64
+MAX_PROCESS_URLS = 64
 
 
 def _proxied(scheme: str, host: str) -> bool:
@@ -347,9 +348,10 @@ class SandboxClient:
         timeout: per-request timeout (s), applied to connect, read, write and pool wait (each idle gap).
         max_retries: retries after the first attempt (see the module docstring for the policy).
         transport: an httpx transport (tests: ``httpx.MockTransport``); overrides ``uds``.
-        input_transport: the transport of a managed process's ``input`` calls (every cell, acknowledgement and
-            comm message): by default kept connections of their own to the same server, see kept_connections.py;
-            with ``transport`` given (and no ``input_transport``), or where a proxy applies, ``transport``.
+        process_transport: the transport of a managed process's ``input`` and ``connect`` calls (every cell,
+            acknowledgement and comm message, and the events that answer them): by default kept connections of
+            their own to the same server, see kept_connections.py; with ``transport`` given (and no
+            ``process_transport``), or where a proxy applies, ``transport``.
         sleep: awaited between retries (inject a fake in tests).
         max_retry_after: a ``Retry-After`` above this many seconds is not waited for; the error is raised instead.
     """
@@ -363,7 +365,7 @@ class SandboxClient:
         timeout: float = 60.0,
         max_retries: int = 2,
         transport: httpx.AsyncBaseTransport | None = None,
-        input_transport: httpx.AsyncBaseTransport | None = None,
+        process_transport: httpx.AsyncBaseTransport | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         max_retry_after: float = 120.0,
     ) -> None:
@@ -387,13 +389,13 @@ class SandboxClient:
             transport = httpx.AsyncHTTPTransport(uds=uds, verify=tls)
         host = (split.hostname or "").lower()
         trust_env = uds is None and host not in _LOOPBACK_HOSTS
-        if input_transport is None and transport is None and not (uds and tls) \
+        if process_transport is None and transport is None and not (uds and tls) \
                 and not (trust_env and _proxied(split.scheme, host)):
-            input_transport = KeptConnections(
+            process_transport = KeptConnections(
                 uds=uds, host=host, port=split.port or (443 if tls else 80),
                 tls=(lambda: httpx.create_ssl_context(trust_env=trust_env)) if tls else None)
-        self._input_transport = input_transport
-        self._input_urls: dict[str, httpx.URL] = {}  # by path: each process's input URL, parsed once
+        self._process_transport = process_transport
+        self._process_urls: dict[str, httpx.URL] = {}  # by path: each process's URLs, parsed once
         self._http = httpx.AsyncClient(
             transport=transport,
             verify=tls,
@@ -422,8 +424,8 @@ class SandboxClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
-        if self._input_transport is not None:
-            await self._input_transport.aclose()
+        if self._process_transport is not None:
+            await self._process_transport.aclose()
 
     @property
     def closed(self) -> bool:
@@ -502,24 +504,27 @@ class SandboxClient:
                 continue
             return response
 
-    async def _send_input(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        """POST a process's input over the input transport, around httpx's client (never retried)."""
-        headers = {"User-Agent": USER_AGENT, "Accept": "application/json", "Content-Type": "application/json",
-                   **self._headers("POST", path)}
-        url = self._input_urls.get(path)
-        if url is None:  # parsing the URL was half of building the request
-            if len(self._input_urls) >= MAX_INPUT_URLS:  # the processes of long ago
-                self._input_urls.clear()
-            url = self._input_urls[path] = httpx.URL(self._base_url + path)
-        request = httpx.Request("POST", url, headers=headers, content=json.dumps(body).encode(),
-                                extensions={"timeout": self._timeout_for(None).as_dict()})
-        assert self._input_transport is not None
+    async def _process_request(self, method: str, path: str, *, json_body: Any = None,
+                               params: dict[str, Any] | None = None, timeout: float | None = None) -> httpx.Response:
+        """A managed process's call over the process transport, around httpx's client (never retried, as no
+        input or connect call is); its answer's body is not read yet."""
+        url = self._process_urls.get(path)
+        if url is None:  # parsing the URL was half of building an input request
+            if len(self._process_urls) >= MAX_PROCESS_URLS:  # the processes of long ago
+                self._process_urls.clear()
+            url = self._process_urls[path] = httpx.URL(self._base_url + path)
+        headers = {"User-Agent": USER_AGENT, "Accept": "application/json", **self._headers(method, path)}
+        content = None
+        if json_body is not None:
+            headers["Content-Type"] = "application/json"
+            content = json.dumps(json_body).encode()
+        request = httpx.Request(method, url.copy_merge_params(params) if params else url, headers=headers,
+                                content=content, extensions={"timeout": self._timeout_for(timeout).as_dict()})
+        assert self._process_transport is not None
         try:
-            response = await self._input_transport.handle_async_request(request)
-            await response.aread()
+            return await self._process_transport.handle_async_request(request)
         except httpx.TransportError as exc:
-            raise self._transport_error(exc, "POST", path, 1) from None
-        return response
+            raise self._transport_error(exc, method, path, 1) from None
 
     async def _call(
         self,
@@ -712,21 +717,26 @@ class SandboxClient:
 
     @asynccontextmanager
     async def _stream(
-        self, method: str, path: str, params: dict[str, Any], body: Any, timeout: float | None
+        self, method: str, path: str, params: dict[str, Any], body: Any, timeout: float | None,
+        process_call: bool = False,
     ) -> AsyncIterator[httpx.Response]:
-        """A streamed response whose status is 2xx (else the typed error is raised); closed on exit. No retry."""
-        request = self._http.build_request(
-            method,
-            self._base_url + path,
-            params=params,
-            json=body,
-            headers=self._headers(method, path),
-            timeout=self._timeout_for(timeout),
-        )
-        try:
-            response = await self._http.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise self._transport_error(exc, method, path, 1) from None
+        """A streamed response whose status is 2xx (else the typed error is raised); closed on exit. No retry.
+        A managed process's call (`process_call`) goes over the process transport."""
+        if process_call and self._process_transport is not None:
+            response = await self._process_request(method, path, json_body=body, params=params, timeout=timeout)
+        else:
+            request = self._http.build_request(
+                method,
+                self._base_url + path,
+                params=params,
+                json=body,
+                headers=self._headers(method, path),
+                timeout=self._timeout_for(timeout),
+            )
+            try:
+                response = await self._http.send(request, stream=True)
+            except httpx.TransportError as exc:
+                raise self._transport_error(exc, method, path, 1) from None
         try:
             status = response.status_code
             if not 200 <= status < 300:
@@ -785,7 +795,7 @@ class SandboxClient:
         then ``exit``. Leaving the block disconnects (the process runs on). Never retried: reconnect with the
         last ``seq`` seen. ``timeout`` bounds each idle gap (heartbeats keep an idle stream alive)."""
         path = self._proc(sandbox_id, process_id, "/connect")
-        async with self._stream("GET", path, {"after": int(after)}, None, timeout) as response:
+        async with self._stream("GET", path, {"after": int(after)}, None, timeout, process_call=True) as response:
             yield ProcessStream(response, method="GET", path=self._prefix + path, secrets=self._secrets)
 
     async def process_input(self, sandbox_id: str, process_id: str, data: bytes) -> int:
@@ -793,11 +803,15 @@ class SandboxClient:
         retry could write twice)."""
         path = self._proc(sandbox_id, process_id, "/input")
         body = ProcessInput(data_base64=base64.b64encode(data).decode()).to_wire()
-        if self._input_transport is None:
+        if self._process_transport is None:
             ack = await self._call("POST", path, json_body=body, retry=False)
         else:
-            ack = parse_response(await self._send_input(path, body), method="POST", path=self._prefix + path,
-                                 secrets=self._secrets)
+            response = await self._process_request("POST", path, json_body=body)
+            try:
+                await response.aread()
+            except httpx.TransportError as exc:
+                raise self._transport_error(exc, "POST", path, 1) from None
+            ack = parse_response(response, method="POST", path=self._prefix + path, secrets=self._secrets)
         return self._decode(ProcessInputAck, ack, "POST", path).input_seq
 
     async def close_process_stdin(self, sandbox_id: str, process_id: str) -> None:

@@ -1,16 +1,17 @@
-"""Small API calls over kept-alive HTTP/1.1 connections of our own.
+"""A managed process's calls over kept-alive HTTP/1.1 connections of our own.
 
 Every cell, output acknowledgement and comm message is one ``POST .../processes/:pid/input``
-with a body of a few hundred bytes and an answer of a few dozen. Through httpx's client and
-httpcore's pool such a call cost the kernel 3.7 ms of CPU on the 2-core machine this was
+with a body of a few hundred bytes and an answer of a few dozen, and every event of the
+sandbox comes back on the process's ``connect`` stream. Through httpx's client and
+httpcore's pool an input call cost the kernel 3.7 ms of CPU on the 2-core machine this was
 measured on (URL and header models, the pool, h11's state machine, anyio's streams, each a
 layer of coroutines), on every cell's path before the sandbox has its code; written and read
 directly over a kept connection, 0.3 ms. This transport does only that much HTTP: a request
-whose body is given whole, an answer framed by Content-Length, chunked encoding or the
-connection's end, no compression (none is asked for), no redirects, no proxy (the client
-does not use it where one would apply). Failures are httpx's exceptions, the ones httpcore
-raises in the same cases, so callers (the client's error mapping, the local engine's
-restarting transport) treat them as from any transport.
+whose body is given whole; an answer framed by Content-Length, chunked encoding or the
+connection's end, read as the caller iterates it; no compression (none is asked for), no
+redirects, no proxy (the client does not use it where one would apply). Failures are httpx's
+exceptions, the ones httpcore raises in the same cases, so callers (the client's error
+mapping, the local engine's restarting transport) treat them as from any transport.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from __future__ import annotations
 import asyncio
 import select
 import ssl
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import httpx
 
-# Header block and body limits: the answers this carries are a few hundred bytes (a JSend
-# envelope, or an error with its message); anything far larger is not an API answer.
-MAX_HEAD = 64 * 1024
-MAX_BODY = 1 << 20
+T = TypeVar("T")
+
+# The stream's buffer (asyncio reads ahead up to twice this) and the longest header block.
+BUFFER = 256 * 1024
 # Idle connections kept for the next call; calls made at the same time (an acknowledgement
 # while a cell is being sent) open more, which are closed after use beyond this many.
 KEEP_IDLE = 2
@@ -70,20 +72,24 @@ class KeptConnections(httpx.AsyncBaseTransport):
         connection = await self._take(timeouts.get("connect"))
         try:
             await self._write(connection, request, timeouts.get("write"))
-            status, headers, body, keep = await _with_timeout(
-                _read_answer(connection.reader), timeouts.get("read"), httpx.ReadTimeout)
+            read_timeout = timeouts.get("read")
+            version, status, headers = await _with_timeout(_read_head(connection.reader), read_timeout)
         except BaseException:  # its state is unknown (cancelled mid-answer, say): never reused
             connection.close()
             raise
-        if keep and len(self._idle) < KEEP_IDLE:
-            self._idle.append(connection)
-        else:
-            connection.close()
-        return httpx.Response(status, headers=headers, content=body, request=request)
+        body = _Body(connection, _framing(version, status, headers), read_timeout, self._release)
+        return httpx.Response(status, headers=headers, stream=body, request=request)
 
     async def aclose(self) -> None:
         while self._idle:
             self._idle.pop().close()
+
+    def _release(self, connection: _Connection) -> None:
+        """A connection whose answer was read to its end, for the next call."""
+        if len(self._idle) < KEEP_IDLE:
+            self._idle.append(connection)
+        else:
+            connection.close()
 
     async def _take(self, timeout: float | None) -> _Connection:
         while self._idle:
@@ -96,12 +102,12 @@ class KeptConnections(httpx.AsyncBaseTransport):
     async def _open(self) -> _Connection:
         try:
             if self._uds is not None:
-                reader, writer = await asyncio.open_unix_connection(self._uds, limit=MAX_HEAD)
+                reader, writer = await asyncio.open_unix_connection(self._uds, limit=BUFFER)
             else:
                 if self._tls is not None and self._tls_context is None:
                     self._tls_context = self._tls()
                 reader, writer = await asyncio.open_connection(
-                    self._host, self._port, limit=MAX_HEAD, ssl=self._tls_context,
+                    self._host, self._port, limit=BUFFER, ssl=self._tls_context,
                     server_hostname=self._host if self._tls_context is not None else None)
         except (OSError, ssl.SSLError) as exc:
             raise httpx.ConnectError(str(exc) or type(exc).__name__) from None
@@ -119,45 +125,117 @@ class KeptConnections(httpx.AsyncBaseTransport):
             raise httpx.WriteError(str(exc) or type(exc).__name__) from None
 
 
-async def _with_timeout(awaitable, timeout: float | None, error: type[httpx.TimeoutException]):  # type: ignore[no-untyped-def]
-    try:
-        async with asyncio.timeout(timeout):
-            return await awaitable
-    except TimeoutError:
-        raise error("timed out") from None
+class _Framing:
+    """How an answer's body ends: after `length` bytes, with chunked encoding's last chunk,
+    or with the connection (`length` None, not chunked); `keep`: the connection may serve
+    another request then."""
+
+    def __init__(self, length: int | None, chunked: bool, keep: bool) -> None:
+        self.length = length
+        self.chunked = chunked
+        self.keep = keep and (chunked or length is not None)
 
 
-async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
-    """(status, headers, body, whether the connection may be reused)."""
+def _framing(version: bytes, status: int, headers: list[tuple[bytes, bytes]]) -> _Framing:
+    fields = {name.lower(): value for name, value in headers}
+    connection = fields.get(b"connection", b"").lower()
+    keep = b"keep-alive" in connection if version == b"HTTP/1.0" else b"close" not in connection
+    if b"chunked" in fields.get(b"transfer-encoding", b"").lower():
+        return _Framing(None, True, keep)
+    if b"content-length" in fields:
+        return _Framing(_number(fields[b"content-length"], 10), False, keep)
+    if status in (204, 304):
+        return _Framing(0, False, keep)
+    return _Framing(None, False, keep)
+
+
+class _Body(httpx.AsyncByteStream):
+    """An answer's body, read from its connection as it is iterated; the connection goes
+    back for reuse once the body was read to its end, and is closed if it was not."""
+
+    def __init__(self, connection: _Connection, framing: _Framing, read_timeout: float | None,
+                 release: Callable[[_Connection], None]) -> None:
+        self._connection: _Connection | None = connection
+        self._framing = framing
+        self._read_timeout = read_timeout
+        self._release = release
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        connection = self._connection
+        if connection is None:
+            raise httpx.StreamClosed()
+        try:
+            async for piece in self._pieces(connection.reader):
+                yield piece
+        except BaseException:
+            await self.aclose()
+            raise
+        self._connection = None
+        if self._framing.keep:
+            self._release(connection)
+        else:
+            connection.close()
+
+    async def aclose(self) -> None:
+        if self._connection is not None:  # not read to its end: what is left would be read as the next answer
+            self._connection.close()
+            self._connection = None
+
+    async def _pieces(self, reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+        framing = self._framing
+        if framing.chunked:
+            while size := _number((await self._read(reader.readuntil(b"\r\n"))).split(b";", 1)[0].strip(), 16):
+                while size:
+                    piece = await self._read(reader.readexactly(min(size, BUFFER)))
+                    size -= len(piece)
+                    yield piece
+                if await self._read(reader.readexactly(2)) != b"\r\n":
+                    raise httpx.RemoteProtocolError("a chunk without its line end")
+            while await self._read(reader.readuntil(b"\r\n")) != b"\r\n":  # trailer fields, then the end
+                pass
+        elif framing.length is not None:
+            left = framing.length
+            while left:
+                piece = await self._read(reader.readexactly(min(left, BUFFER)))
+                left -= len(piece)
+                yield piece
+        else:
+            while piece := await self._read(reader.read(BUFFER)):
+                yield piece
+
+    async def _read(self, operation: Awaitable[T]) -> T:
+        return await _with_timeout(_as_protocol_errors(operation), self._read_timeout)
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[bytes, int, list[tuple[bytes, bytes]]]:
+    """The answer's HTTP version, status and headers (interim 1xx answers skipped)."""
+    while True:
+        version, status, headers = _parse_head(await _as_protocol_errors(reader.readuntil(b"\r\n\r\n")))
+        if not 100 <= status < 200:
+            return version, status, headers
+
+
+async def _as_protocol_errors(operation: Awaitable[T]) -> T:
+    """A read, its failures as the httpx exceptions httpcore raises for them."""
     try:
-        while True:
-            version, status, headers = _parse_head(await reader.readuntil(b"\r\n\r\n"))
-            if not 100 <= status < 200:  # an interim answer (100 Continue) precedes the real one
-                break
-        fields = {name.lower(): value for name, value in headers}
-        connection = fields.get(b"connection", b"").lower()
-        keep = b"keep-alive" in connection if version == b"HTTP/1.0" else b"close" not in connection
-        if b"chunked" in fields.get(b"transfer-encoding", b"").lower():
-            body = await _read_chunked(reader)
-        elif b"content-length" in fields:
-            length = _number(fields[b"content-length"], 10)
-            if length > MAX_BODY:
-                raise httpx.RemoteProtocolError(f"an answer of {length} bytes")
-            body = await reader.readexactly(length)
-        elif status in (204, 304):
-            body = b""
-        else:  # framed by the connection's end
-            body = await _read_to_end(reader)
-            keep = False
+        return await operation
     except asyncio.IncompleteReadError as exc:
         raise httpx.RemoteProtocolError("Server disconnected without sending a complete response."
                                         if exc.partial or exc.expected else
                                         "Server disconnected without sending a response.") from None
     except asyncio.LimitOverrunError:
-        raise httpx.RemoteProtocolError("an answer's header block is too long") from None
+        raise httpx.RemoteProtocolError("an answer's header or chunk line is too long") from None
     except OSError as exc:
         raise httpx.ReadError(str(exc) or type(exc).__name__) from None
-    return status, headers, body, keep
+
+
+async def _with_timeout(operation: Awaitable[T], timeout: float | None,
+                        error: type[httpx.TimeoutException] = httpx.ReadTimeout) -> T:
+    try:
+        async with asyncio.timeout(timeout):
+            return await operation
+    except TimeoutError:
+        raise error("timed out") from None
 
 
 def _parse_head(head: bytes) -> tuple[bytes, int, list[tuple[bytes, bytes]]]:
@@ -172,30 +250,6 @@ def _parse_head(head: bytes) -> tuple[bytes, int, list[tuple[bytes, bytes]]]:
             raise httpx.RemoteProtocolError(f"a malformed header line: {line[:40]!r}")
         headers.append((name, value.strip()))
     return version, _number(rest[:3], 10), headers
-
-
-async def _read_to_end(reader: asyncio.StreamReader) -> bytes:
-    body = bytearray()
-    while chunk := await reader.read(64 * 1024):
-        body += chunk
-        if len(body) > MAX_BODY:
-            raise httpx.RemoteProtocolError("an answer longer than expected")
-    return bytes(body)
-
-
-async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    body = bytearray()
-    while True:
-        size = _number((await reader.readuntil(b"\r\n")).split(b";", 1)[0].strip(), 16)
-        if len(body) + size > MAX_BODY:
-            raise httpx.RemoteProtocolError("an answer longer than expected")
-        if size == 0:
-            while await reader.readuntil(b"\r\n") != b"\r\n":  # trailer fields, then the end
-                pass
-            return bytes(body)
-        body += await reader.readexactly(size)
-        if await reader.readexactly(2) != b"\r\n":
-            raise httpx.RemoteProtocolError("a chunk without its line end")
 
 
 def _number(text: bytes, base: int) -> int:
