@@ -119,13 +119,18 @@ class SandboxProcesses:
         self.python = python
 
     async def create(self, args: list[str]) -> str:
+        # Meanwhile the connection for the process's input calls is opened: the first cell
+        # would otherwise wait for its handshakes (one or two round trips to a distant service).
+        preparing = asyncio.ensure_future(self.client.prepare_process_calls())
         try:
             process = await self.client.create_process(self.sandbox_id,
                                                        CreateProcessRequest(cmd=self.python, args=args))
-        except SandboxAPIError as exc:
-            if exc.status_code in NO_PROCESSES:
+        except BaseException as exc:
+            preparing.cancel()
+            if isinstance(exc, SandboxAPIError) and exc.status_code in NO_PROCESSES:
                 raise ChannelUnavailable(f"HTTP {exc.status_code} on creating a process") from None
             raise
+        await preparing
         return process.process_id
 
     @contextlib.asynccontextmanager

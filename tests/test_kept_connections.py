@@ -244,3 +244,21 @@ async def test_a_stream_silent_longer_than_the_read_timeout_fails_with_read_time
     assert await anext(pieces) == b"first"
     with pytest.raises(httpx.ReadTimeout):
         await anext(pieces)
+
+
+async def test_prepare_opens_the_next_calls_connection_ahead_and_a_refusal_is_left_to_that_call(serve) -> None:
+    scripted, transport = await serve(reply(b"{}"))
+    await transport.prepare(timeout=5.0)
+    await transport.prepare(timeout=5.0)  # one is ready already: no second
+    assert scripted.connections == 1
+    await send(transport, post())
+    assert scripted.connections == 1 and len(scripted.requests) == 1
+
+    port = scripted.port
+    assert scripted.server is not None
+    scripted.server.close()
+    await scripted.server.wait_closed()
+    closed = KeptConnections(host="127.0.0.1", port=port)
+    await closed.prepare(timeout=5.0)  # nothing raised, nothing kept
+    with pytest.raises(httpx.ConnectError):
+        await send(closed, post())

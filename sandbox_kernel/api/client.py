@@ -798,6 +798,12 @@ class SandboxClient:
         async with self._stream("GET", path, {"after": int(after)}, None, timeout, process_call=True) as response:
             yield ProcessStream(response, method="GET", path=self._prefix + path, secrets=self._secrets)
 
+    async def prepare_process_calls(self) -> None:
+        """Open the process transport's connection for the coming calls ahead of them, where
+        opening one costs handshakes (a TCP server: CreateOS's TLS); best effort."""
+        if isinstance(self._process_transport, KeptConnections):
+            await self._process_transport.prepare(self._timeout)
+
     async def process_input(self, sandbox_id: str, process_id: str, data: bytes) -> int:
         """Write ``data`` to the process's stdin (a PTY: as keystrokes); its ``input_seq``. Never retried (a
         retry could write twice)."""

@@ -80,6 +80,15 @@ class KeptConnections(httpx.AsyncBaseTransport):
         body = _Body(connection, _framing(version, status, headers), read_timeout, self._release)
         return httpx.Response(status, headers=headers, stream=body, request=request)
 
+    async def prepare(self, timeout: float) -> None:
+        """Open a connection ahead of the next call, so that it does not wait for a TCP and TLS
+        handshake (a failure here is left for that call to meet and report)."""
+        if not self._idle:
+            try:
+                self._release(await _with_timeout(self._open(), timeout, httpx.ConnectTimeout))
+            except httpx.TransportError:
+                pass
+
     async def aclose(self) -> None:
         while self._idle:
             self._idle.pop().close()
