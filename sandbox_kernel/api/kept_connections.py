@@ -195,7 +195,7 @@ class _Body(httpx.AsyncByteStream):
         if framing.chunked:
             while size := _number((await self._read(reader.readuntil(b"\r\n"))).split(b";", 1)[0].strip(), 16):
                 while size:
-                    piece = await self._read(reader.readexactly(min(size, BUFFER)))
+                    piece = await self._piece(reader, size)
                     size -= len(piece)
                     yield piece
                 if await self._read(reader.readexactly(2)) != b"\r\n":
@@ -205,12 +205,20 @@ class _Body(httpx.AsyncByteStream):
         elif framing.length is not None:
             left = framing.length
             while left:
-                piece = await self._read(reader.readexactly(min(left, BUFFER)))
+                piece = await self._piece(reader, left)
                 left -= len(piece)
                 yield piece
         else:
             while piece := await self._read(reader.read(BUFFER)):
                 yield piece
+
+    async def _piece(self, reader: asyncio.StreamReader, left: int) -> bytes:
+        """What has arrived of the next `left` bytes (at least one): passed on as it comes, as
+        the stream's buffer would otherwise fill and be copied whole each time it grows."""
+        piece = await self._read(reader.read(min(left, BUFFER)))
+        if not piece:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a complete response.")
+        return piece
 
     async def _read(self, operation: Awaitable[T]) -> T:
         return await _with_timeout(_as_protocol_errors(operation), self._read_timeout)
