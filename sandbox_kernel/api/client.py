@@ -29,7 +29,6 @@ import httpx
 import pybase64
 import pydantic
 
-from .kept_connections import KeptConnections
 from .envelope import error_from_response, parse_response, protocol_error, unwrap_page
 from .errors import (
     APITimeoutError,
@@ -38,6 +37,7 @@ from .errors import (
     parse_retry_after,
     redact,
 )
+from .kept_connections import KeptConnections
 from .models import (
     CreateProcessRequest,
     CreateSandboxRequest,
@@ -87,19 +87,14 @@ _RETRY_STATUS_IDEMPOTENT = frozenset({408, 429, 500, 502, 503, 504})
 _RETRY_STATUS_ANY = frozenset({429, 503})
 _SSE_SKIP_PREFIXES = (":", "event:", "id:", "retry:")
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
-MAX_PROCESS_URLS = 64
+MAX_PROCESS_URLS = 64  # parsed URLs kept for process calls (see _process_request)
 
-
-def _proxied(scheme: str, host: str) -> bool:
-    """Whether the environment sends requests to this host through a proxy (as httpx reads
-    it: the scheme's or ALL_PROXY, unless NO_PROXY exempts the host)."""
-    proxies = urllib.request.getproxies()
-    return bool(proxies.get(scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host)
 # httpcore receives at most READ_NUM_BYTES (64 KiB) at a time, each read through anyio's
 # timeout scope and h11's parser: a process's output stream of 20 MiB took ~500 reads,
-# whose overhead was a quarter of the kernel's work on it. A read takes what the socket
-# holds, up to this, and never waits for more: larger reads only make fewer of them when
-# the stream is busy. (A class attribute of httpcore's; left alone if it is ever gone.)
+# whose overhead was a quarter of the kernel's work on it (such streams go over kept
+# connections now, except where a proxy applies; exec streams still come this way). A read
+# takes what the socket holds, up to this, and never waits for more: larger reads only make
+# fewer of them when the stream is busy. (A class attribute of httpcore's; left alone if it is ever gone.)
 _STREAM_READ_BYTES = 256 * 1024
 if getattr(httpcore.AsyncHTTP11Connection, "READ_NUM_BYTES", _STREAM_READ_BYTES) < _STREAM_READ_BYTES:
     httpcore.AsyncHTTP11Connection.READ_NUM_BYTES = _STREAM_READ_BYTES
@@ -121,6 +116,13 @@ def _backoff(attempt: int) -> float:
 def _seg(value: str) -> str:
     """URL-encode one path segment (like encodeURIComponent)."""
     return quote(str(value), safe="")
+
+
+def _proxied(scheme: str, host: str) -> bool:
+    """Whether the environment sends requests to this host through a proxy (as httpx reads
+    it: the scheme's or ALL_PROXY, unless NO_PROXY exempts the host)."""
+    proxies = urllib.request.getproxies()
+    return bool(proxies.get(scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host)
 
 
 class BoundedLines:
