@@ -1,4 +1,5 @@
-"""Shared fixtures: one real local engine per test run, and the installed kernelspec.
+"""Shared fixtures: one real local engine per test run, the installed kernelspec, and one
+JupyterLab server for the browser tests.
 
 Everything runs for real: the engine is `sandbox-kernel serve` in a subprocess with its
 own state dir, kernels are started by jupyter_client from the installed kernelspec, and
@@ -20,6 +21,7 @@ from createos import APIError, Client, CreateSandboxRequest, SandboxInstance
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
+from browser_helpers import Lab, chromium_path, running_jupyterlab
 from engine_helpers import running_engine
 from kernel_helpers import VIA_CREATEOS, running_kernel
 from sandbox_kernel.api import SandboxClient
@@ -59,6 +61,17 @@ def kernelspec(engine: EngineEndpoint, tmp_path_factory: pytest.TempPathFactory)
         os.environ["CREATEOS_SANDBOX_BASE_URL"] = engine.url
         os.environ["CREATEOS_SANDBOX_API_KEY"] = engine.token
     return KERNEL_NAME
+
+
+@pytest.fixture(scope="session")
+def jupyterlab(kernelspec: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """JupyterLab for the browser tests, which share it (tests/browser_helpers.py says how)."""
+    chromium_path()  # skip, not start a server, where no browser could use it
+    settings = Path(tmp_path_factory.mktemp("jupyterlab"))
+    root = settings / "notebooks"
+    root.mkdir()
+    with running_jupyterlab(root, settings) as lab:
+        yield lab
 
 
 @pytest.fixture

@@ -1,18 +1,16 @@
 """The JupyterLab debugger in a real browser, on code running in the sandbox.
 
-JupyterLab and Chromium as in tests/test_browser.py. The user switches the debugger on in
-the notebook's toolbar, clicks the gutter of a cell's line to set a breakpoint and runs the
-cell: it stops there, in the sandbox, and the debugger panel shows the cell's variables.
-The screenshot is kept in test-artifacts/.
+JupyterLab and Chromium as in tests/test_browser.py (tests/browser_helpers.py). The user
+switches the debugger on in the notebook's toolbar, clicks the gutter of a cell's line to set
+a breakpoint and runs the cell: it stops there, in the sandbox, and the debugger panel shows
+the cell's variables. The screenshot is kept in test-artifacts/.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from test_browser import ARTIFACTS, lab_page_that_ran
+from browser_helpers import ARTIFACTS, Lab, lab_page_that_ran
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -26,8 +24,8 @@ BREAKPOINT_LINE = 2
 
 
 def test_the_debugger_stops_a_sandboxed_cell_at_a_breakpoint_and_shows_its_variables(
-        kernelspec: str, tmp_path: Path) -> None:
-    with lab_page_that_ran(kernelspec, tmp_path, CELL, run=False) as page:
+        jupyterlab: Lab, kernelspec: str) -> None:
+    with lab_page_that_ran(jupyterlab, kernelspec, CELL, run=False) as page:
         page.locator(".jp-DebuggerBugButton").first.click()
         page.locator(".jp-DebuggerBugButton[aria-pressed='true']").first.wait_for()
         gutter = page.locator(".jp-Cell .cm-breakpoint-gutter .cm-gutterElement")

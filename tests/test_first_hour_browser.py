@@ -4,17 +4,15 @@ prices as text; JupyterLab would typeset `$…$` in HTML output as LaTeX math (e
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from test_browser import ARTIFACTS, lab_page_that_ran
+from browser_helpers import ARTIFACTS, Lab, lab_page_that_ran
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
-def test_sandbox_cost_shows_dollars_not_math(kernelspec: str, tmp_path: Path) -> None:
-    with lab_page_that_ran(kernelspec, tmp_path, "%sandbox cost") as page:
+def test_sandbox_cost_shows_dollars_not_math(jupyterlab: Lab, kernelspec: str) -> None:
+    with lab_page_that_ran(jupyterlab, kernelspec, "%sandbox cost") as page:
         prices = page.locator(".jp-OutputArea-output tr", has_text="prices")
         prices.wait_for()
         page.wait_for_timeout(1000)  # give a math typesetter the time it would take

@@ -1,6 +1,6 @@
 """ipywidgets in JupyterLab in a real browser, with the widgets' Python side in the sandbox.
 
-JupyterLab and Chromium as in tests/test_browser.py (its helpers are reused). The widget
+JupyterLab and Chromium as in tests/test_browser.py (tests/browser_helpers.py). The widget
 models live in the sandbox; every change made in the page travels frontend → kernel →
 sandbox as a comm message, and every change made in the sandbox comes back the same way.
 Screenshots are kept in test-artifacts/.
@@ -8,12 +8,11 @@ Screenshots are kept in test-artifacts/.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from test_browser import ARTIFACTS, lab_page_that_ran
+from browser_helpers import ARTIFACTS, Lab, lab_page_that_ran
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -71,8 +70,8 @@ def press_on_slider(page: Any, key: str, times: int) -> None:
         handle.press(key)
 
 
-def test_a_slider_moved_in_the_page_reaches_its_observer_in_the_sandbox(kernelspec: str, tmp_path: Path) -> None:
-    with lab_page_that_ran(kernelspec, tmp_path, SLIDER_CELL) as page:
+def test_a_slider_moved_in_the_page_reaches_its_observer_in_the_sandbox(jupyterlab: Lab, kernelspec: str) -> None:
+    with lab_page_that_ran(jupyterlab, kernelspec, SLIDER_CELL) as page:
         output = page.locator(".jp-OutputArea-output")
         output.locator(".widget-slider .widget-readout", has_text="3").wait_for()
         # A quick burst: the page sends the next change only once the kernel says the previous
@@ -85,8 +84,8 @@ def test_a_slider_moved_in_the_page_reaches_its_observer_in_the_sandbox(kernelsp
             screenshot(page, "widgets-slider.png")
 
 
-def test_a_widget_updated_by_a_background_thread_moves_in_the_page(kernelspec: str, tmp_path: Path) -> None:
-    with lab_page_that_ran(kernelspec, tmp_path, BACKGROUND_CELL) as page:
+def test_a_widget_updated_by_a_background_thread_moves_in_the_page(jupyterlab: Lab, kernelspec: str) -> None:
+    with lab_page_that_ran(jupyterlab, kernelspec, BACKGROUND_CELL) as page:
         output = page.locator(".jp-OutputArea-output")
         output.get_by_text("thread: done at 5").wait_for()
         bar = output.locator(".widget-hprogress .progress-bar")
@@ -95,8 +94,8 @@ def test_a_widget_updated_by_a_background_thread_moves_in_the_page(kernelspec: s
         assert bar.evaluate("bar => bar.style.width") == "100%"
 
 
-def test_tqdm_auto_shows_a_widget_progress_bar_that_completes(kernelspec: str, tmp_path: Path) -> None:
-    with lab_page_that_ran(kernelspec, tmp_path, TQDM_CELL) as page:
+def test_tqdm_auto_shows_a_widget_progress_bar_that_completes(jupyterlab: Lab, kernelspec: str) -> None:
+    with lab_page_that_ran(jupyterlab, kernelspec, TQDM_CELL) as page:
         output = page.locator(".jp-OutputArea-output")
         output.locator(".widget-html", has_text="20/20").first.wait_for()
         bar = output.locator(".widget-hprogress .progress-bar")
@@ -106,8 +105,8 @@ def test_tqdm_auto_shows_a_widget_progress_bar_that_completes(kernelspec: str, t
         assert output.locator(".jp-RenderedText", has_text="it/s").count() == 0  # no text bar
 
 
-def test_interact_reruns_the_function_in_the_sandbox(kernelspec: str, tmp_path: Path) -> None:
-    with lab_page_that_ran(kernelspec, tmp_path, INTERACT_CELL) as page:
+def test_interact_reruns_the_function_in_the_sandbox(jupyterlab: Lab, kernelspec: str) -> None:
+    with lab_page_that_ran(jupyterlab, kernelspec, INTERACT_CELL) as page:
         output = page.locator(".jp-OutputArea-output")
         output.get_by_text("square is 16").wait_for()
         press_on_slider(page, "ArrowRight", 3)  # a burst, as in the slider test
