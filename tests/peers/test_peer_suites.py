@@ -1,6 +1,7 @@
 """Other projects' kernel tests, run against plain ipykernel and against this kernel.
 
-Three peer suites, each run twice in the same test, with the kernel name as the only change:
+Three peer suites, each run twice with the kernel name as the only change (all six runs
+queued at once, two at a time: see `suite_runs`), and one test per suite compares its runs:
 - jupyter_kernel_test: a complete `KernelTests` subclass (kernel_tests_python.py);
 - ipykernel's own protocol tests, those that talk to a kernel through jupyter_client;
 - nbclient's tests that run its test notebooks and compare the outputs as nbclient does.
@@ -16,13 +17,14 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from engine_helpers import running_engine
-from peer_runs import HERE, Comparison, PeerSuite, install_kernelspec, known_failures, run_suite
+from peer_runs import HERE, Comparison, PeerSuite, Run, install_kernelspec, known_failures, run_suite
 from sandbox_kernel.local.service import EngineEndpoint
 from sources import sdist_tree
 
@@ -73,26 +75,52 @@ def suite_source(name: str, tmp: Path) -> Path:
     return sdist_tree(name)
 
 
+@dataclass(frozen=True)
+class SuiteRuns:
+    source: Path
+    here: Future[Run]
+    on_ipykernel: Future[Run]
+
+
+@pytest.fixture(scope="module")
+def suite_runs(request: pytest.FixtureRequest, kernelspecs: dict[str, Path],
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SuiteRuns]]:
+    """The two runs of every selected suite, queued when the module's first test starts and run
+    two at a time: both mostly wait on kernels, and the time budget is tight. A suite's run on
+    this kernel, queued first, takes longer than the one on ipykernel (a kernel start here
+    creates a sandbox): the next suite's runs start as soon as either ends, rather than one
+    run going on alone for the last minute or so of each suite."""
+    selected = [item.callspec.params["name"] for item in request.session.items
+                if item.originalname == "test_peer_suite"]
+    pool = ThreadPoolExecutor(2)
+    runs = {}
+    for name in selected:
+        suite, work = SUITES[name], tmp_path_factory.mktemp(f"peer-{name}")
+        source = suite_source(name, work / "source")
+        runs[name] = SuiteRuns(
+            source,
+            here=pool.submit(run_suite, suite, source, kernelspecs["sandbox"], work / "sandbox",
+                             deselect=() if RUN_LISTED else known_failures(name).not_run_here()),
+            on_ipykernel=pool.submit(run_suite, suite, source, kernelspecs["ipykernel"], work / "ipykernel"))
+    try:
+        yield runs
+    finally:
+        pool.shutdown(cancel_futures=True)  # after an interrupted test, start no further run
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", list(SUITES))
-def test_peer_suite(name: str, kernelspecs: dict[str, Path], tmp_path: Path,
-                    capsys: pytest.CaptureFixture[str]) -> None:
-    suite = SUITES[name]
-    source = suite_source(name, tmp_path / "source")
-    listed = known_failures(name)
-    # The two runs at once: both mostly wait on kernels, and the time budget is tight.
-    with ThreadPoolExecutor(1) as other:
-        baseline = other.submit(run_suite, suite, source, kernelspecs["ipykernel"],
-                                tmp_path / "ipykernel")
-        here = run_suite(suite, source, kernelspecs["sandbox"], tmp_path / "sandbox",
-                         deselect=() if RUN_LISTED else listed.not_run_here())
-        on_ipykernel = baseline.result()
-    comparison = Comparison(name, on_ipykernel.passed(), here, listed)
+def test_peer_suite(name: str, suite_runs: dict[str, SuiteRuns], kernelspecs: dict[str, Path],
+                    tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = suite_runs[name]
+    here, on_ipykernel = runs.here.result(), runs.on_ipykernel.result()
+    comparison = Comparison(name, on_ipykernel.passed(), here, known_failures(name))
     if comparison.regressions:
-        # Once more, alone: a timing-sensitive test that lost a race under load is named, not
-        # failed; one that fails again fails this test.
-        again = run_suite(suite, source, kernelspecs["sandbox"], tmp_path / "sandbox-again",
+        # Once more, alone (once the other suites' runs have ended): a timing-sensitive test
+        # that lost a race under load is named, not failed; one that fails again fails this test.
+        wait([future for other in suite_runs.values() for future in (other.here, other.on_ipykernel)])
+        again = run_suite(SUITES[name], runs.source, kernelspecs["sandbox"], tmp_path / "sandbox-again",
                           only=comparison.regressions)
         comparison.second_try = again.passed()
     report = comparison.summary()
