@@ -507,9 +507,10 @@ class SandboxClient:
             return response
 
     async def _process_request(self, method: str, path: str, *, json_body: Any = None,
-                               params: dict[str, Any] | None = None, timeout: float | None = None) -> httpx.Response:
+                               params: dict[str, Any] | None = None, timeout: float | None = None,
+                               stream: bool = False) -> httpx.Response:
         """A managed process's call over the process transport, around httpx's client (never retried, as no
-        input or connect call is); its answer's body is not read yet."""
+        input or connect call is); its answer read whole, or with `stream` left for the caller to read."""
         url = self._process_urls.get(path)
         if url is None:  # parsing the URL was half of building an input request
             if len(self._process_urls) >= MAX_PROCESS_URLS:  # the processes of long ago
@@ -524,9 +525,12 @@ class SandboxClient:
                                 content=content, extensions={"timeout": self._timeout_for(timeout).as_dict()})
         assert self._process_transport is not None
         try:
-            return await self._process_transport.handle_async_request(request)
+            response = await self._process_transport.handle_async_request(request)
+            if not stream:
+                await response.aread()
         except httpx.TransportError as exc:
             raise self._transport_error(exc, method, path, 1) from None
+        return response
 
     async def _call(
         self,
@@ -725,7 +729,8 @@ class SandboxClient:
         """A streamed response whose status is 2xx (else the typed error is raised); closed on exit. No retry.
         A managed process's call (`process_call`) goes over the process transport."""
         if process_call and self._process_transport is not None:
-            response = await self._process_request(method, path, json_body=body, params=params, timeout=timeout)
+            response = await self._process_request(method, path, json_body=body, params=params, timeout=timeout,
+                                                   stream=True)
         else:
             request = self._http.build_request(
                 method,
@@ -814,12 +819,8 @@ class SandboxClient:
         if self._process_transport is None:
             ack = await self._call("POST", path, json_body=body, retry=False)
         else:
-            response = await self._process_request("POST", path, json_body=body)
-            try:
-                await response.aread()
-            except httpx.TransportError as exc:
-                raise self._transport_error(exc, "POST", path, 1) from None
-            ack = parse_response(response, method="POST", path=self._prefix + path, secrets=self._secrets)
+            ack = parse_response(await self._process_request("POST", path, json_body=body), method="POST",
+                                 path=self._prefix + path, secrets=self._secrets)
         return self._decode(ProcessInputAck, ack, "POST", path).input_seq
 
     async def close_process_stdin(self, sandbox_id: str, process_id: str) -> None:

@@ -28,6 +28,8 @@ T = TypeVar("T")
 
 # The stream's buffer (asyncio reads ahead up to twice this) and the longest header block.
 BUFFER = 256 * 1024
+# httpcore's words for an answer cut short.
+INCOMPLETE = "Server disconnected without sending a complete response."
 # Idle connections kept for the next call; calls made at the same time (an acknowledgement
 # while a cell is being sent) open more, which are closed after use beyond this many.
 KEEP_IDLE = 2
@@ -217,7 +219,7 @@ class _Body(httpx.AsyncByteStream):
         the stream's buffer would otherwise fill and be copied whole each time it grows."""
         piece = await self._read(reader.read(min(left, BUFFER)))
         if not piece:
-            raise httpx.RemoteProtocolError("Server disconnected without sending a complete response.")
+            raise httpx.RemoteProtocolError(INCOMPLETE)
         return piece
 
     async def _read(self, operation: Awaitable[T]) -> T:
@@ -237,8 +239,7 @@ async def _as_protocol_errors(operation: Awaitable[T]) -> T:
     try:
         return await operation
     except asyncio.IncompleteReadError as exc:
-        raise httpx.RemoteProtocolError("Server disconnected without sending a complete response."
-                                        if exc.partial or exc.expected else
+        raise httpx.RemoteProtocolError(INCOMPLETE if exc.partial or exc.expected else
                                         "Server disconnected without sending a response.") from None
     except asyncio.LimitOverrunError:
         raise httpx.RemoteProtocolError("an answer's header or chunk line is too long") from None
