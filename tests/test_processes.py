@@ -3,6 +3,7 @@ vendor's own Python SDK (`createos-sandbox`, unchanged) against the real local e
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Iterator
 
@@ -200,6 +201,27 @@ def test_wait_leader_versus_tree(sandbox: SandboxInstance) -> None:
     tree = procs.wait(started.process_id, ManagedProcessWaitOptions(scope=ManagedProcessWaitScope.TREE,
                                                                     wait_timeout=20))
     assert tree.tree_exited
+
+
+def test_a_blocked_call_holds_up_no_other(sandbox: SandboxInstance) -> None:
+    """The engine keeps connections to the agent for process calls: one held by a `wait`
+    must not make the calls after it queue behind it."""
+    procs = sandbox.processes
+    started = procs.create(python("import sys\nfor line in sys.stdin: print('got', line.strip(), flush=True)"))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        waits = [pool.submit(procs.wait, started.process_id, ManagedProcessWaitOptions(
+            scope=ManagedProcessWaitScope.LEADER, wait_timeout=60)) for _ in range(2)]
+        time.sleep(0.5)  # both waits are in the agent now (a wait is answered only at the exit)
+        assert not any(wait.done() for wait in waits)
+        for n in range(5):
+            assert procs.input(started.process_id, "line %d\n" % n) == n + 1
+            assert procs.get(started.process_id).state == ManagedProcessState.RUNNING
+        with procs.connect(started.process_id) as stream:
+            data, _ = read_until(stream, b"got line 4\n")
+        assert data == b"".join(b"got line %d\n" % n for n in range(5))
+        assert not any(wait.done() for wait in waits)
+        procs.close_standard_input(started.process_id)
+        assert all(wait.result(timeout=30).leader_exited for wait in waits)
 
 
 def test_errors(sandbox: SandboxInstance) -> None:

@@ -33,8 +33,8 @@ from ..api.models import (
     Shape,
 )
 from ..egress_rules import EgressRuleError, validate as validate_egress
-from .agent_client import (AgentClient, AgentError, AgentUnavailable, RequestTooLarge, encoded,
-                           exec_request)
+from .agent_client import (AgentClient, AgentConnections, AgentError, AgentUnavailable, RequestTooLarge,
+                           encoded, exec_request)
 from .egress_gate import EgressGate
 from .signal_relay import SignalRelay
 from . import disk, registry, seccomp
@@ -308,7 +308,7 @@ class LocalSandbox:
     # Auto-pause: last exec/file request (monotonic) and execs still streaming.
     last_activity: float = field(default_factory=time.monotonic)
     active_execs: int = 0
-    agent_connections: set[asyncio.StreamWriter] = field(default_factory=set)  # open now, to any client
+    agent_connections: AgentConnections = field(default_factory=AgentConnections)
 
     @property
     def limits(self) -> Limits:
@@ -630,6 +630,8 @@ class Engine:
             await sandbox.gate.stop()
         if sandbox.signals:
             await sandbox.signals.stop()
+        # The kept ones too: a founder's agent outlives it while its forks run (see below).
+        sandbox.agent_connections.close_all()
         family = sandbox.family
         if family:
             family.members.discard(sandbox.id)
@@ -771,8 +773,7 @@ class Engine:
                 await sandbox.gate.stop()
             if sandbox.signals:
                 await sandbox.signals.stop()
-            for connection in list(sandbox.agent_connections):
-                connection.close()
+            sandbox.agent_connections.close_all()
             self._save(sandbox)
 
     # -- pause, resume, patch ---------------------------------------------------------

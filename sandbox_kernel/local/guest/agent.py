@@ -118,6 +118,8 @@ class Agent:
                 await self.signals.engine_listens(reader, writer)
             elif op == "egress_attach":
                 handed_over = self.egress_attach(request, reader, writer)
+            elif op == "process_calls":
+                await self.process_calls(reader, writer)
             elif isinstance(op, str) and op.startswith("process_"):
                 await self.process_op(op, request, reader, writer)
             else:
@@ -278,6 +280,22 @@ class Agent:
         finally:
             os._exit(1)
 
+
+    async def process_calls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Managed-process ops one after another on one connection the engine keeps: its
+        quick calls (a cell's input above all) skip a connection's set-up. A connect has a
+        connection of its own; a bad line ends this one (handle says why)."""
+        while True:
+            line = await reader.readline()
+            if not line:
+                return
+            request = json.loads(line)
+            op = request.get("op") if isinstance(request, dict) else None
+            if not isinstance(op, str) or not op.startswith("process_") or op in ("process_calls", "process_connect"):
+                writer.write(failure("invalid", "not an op for this connection: %r" % (op,)))
+                return
+            await self.process_op(op, request, reader, writer)
+            await writer.drain()
 
     async def process_op(self, op: str, request: dict, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:
