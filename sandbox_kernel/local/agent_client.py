@@ -169,6 +169,7 @@ class AgentClient:
         while idle:
             reader, writer = idle.pop()
             if not reader.at_eof() and not writer.is_closing():
+                writer.transport.resume_reading()
                 return reader, writer
             await self._close(writer)  # the agent closed it meanwhile (its sandbox ended)
         reader, writer = await self._open(MAX_PROCESS_REPLY)
@@ -178,8 +179,10 @@ class AgentClient:
     async def _release_call_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                                        reusable: bool) -> None:
         """Keep it for the next call only once its answer was read whole (after a failed or
-        cancelled call, an answer may still be on its way)."""
+        cancelled call, an answer may still be on its way). An idle one is not read: what an
+        agent writes unasked waits in the socket, not in the engine's memory."""
         if reusable and len(self.connections.idle_for_calls) < KEPT_CALL_CONNECTIONS:
+            writer.transport.pause_reading()
             self.connections.idle_for_calls.append((reader, writer))
         else:
             await self._close(writer)
