@@ -15,6 +15,7 @@ from sandbox_kernel.api import (
     AuthenticationError,
     BadRequestError,
     ConflictError,
+    CreateProcessRequest,
     CreateSandboxRequest,
     NotFoundError,
     SandboxClient,
@@ -145,3 +146,42 @@ async def test_files_round_trip_and_errors(client: SandboxClient, sandbox: str) 
         await client.upload_file(sandbox, "/workspace/no/such/dir/file", b"x")
     with pytest.raises(NotFoundError):
         await client.download_file(sandbox, "/workspace/missing")
+
+
+async def test_process_input_answers(engine: EngineEndpoint, sandbox: str) -> None:
+    """A process's input is answered by a shortcut past FastAPI's routing when well formed,
+    by the route otherwise: either way with the route's envelopes, codes and headers."""
+    key = {"X-Api-Key": engine.token}
+    async with SandboxClient(engine.url, engine.token) as api, httpx.AsyncClient(base_url=engine.url) as raw:
+        process = await api.create_process(sandbox, CreateProcessRequest(cmd="cat", args=[]))
+        route = f"/v1/sandboxes/{sandbox}/processes/{process.process_id}/input"
+
+        async def post(body: bytes, content_type: str | None = "application/json", headers: dict | None = None,
+                       path: str = route) -> httpx.Response:
+            sent = {**(key if headers is None else headers), **({"Content-Type": content_type} if content_type else {})}
+            return await raw.post(path, content=body, headers=sent)
+
+        ok = await post(b'{"data_base64": "aGkK"}')
+        assert ok.status_code == 200 and ok.json() == {"status": "success", "data": {"input_seq": 1}}
+        assert ok.headers["X-Request-Id"]
+        with_charset = await post(b'{"data_base64": "aGkK"}', "application/json; charset=utf-8")
+        assert with_charset.json()["data"] == {"input_seq": 2}
+
+        def fail(response: httpx.Response, status: int) -> dict:
+            assert response.status_code == status, response.text
+            body = response.json()
+            assert body["status"] == "fail" and response.headers["X-Request-Id"]
+            return body["data"]
+
+        assert fail(await post(b'{"data_base64": "aGkK"}', headers={}), 401)["code"] == "unauthorized"
+        assert fail(await post(b'{"data_base64": '), 400)["code"] == "invalid_json"
+        assert fail(await post(b'{"data": "aGkK"}'), 400)["code"] == "validation"
+        assert fail(await post(b'{"data_base64": "aGkK"}', "text/plain"), 400)["code"] == "validation"
+        assert fail(await post(b'{"data_base64": "aGkK"}', None), 400)["code"] == "validation"
+        assert fail(await post(b'{"data_base64": "not base64!"}'), 400)["code"] == "invalid_base64"
+        assert fail(await post(b'{"data_base64": "aGkK"}', path=route.replace(process.process_id, "proc-nope")),
+                    404)["code"] == "process_not_found"
+        assert fail(await post(b'{"data_base64": "aGkK"}', path=route.replace(sandbox, "sb-nope")), 404)
+        await api.close_process_stdin(sandbox, process.process_id)
+        assert fail(await post(b'{"data_base64": "aGkK"}'), 409)["code"] == "process_conflict"
+        assert (await raw.get(route, headers=key)).status_code == 405  # the app's answer, as before
