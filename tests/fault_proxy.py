@@ -34,6 +34,9 @@ from sandbox_kernel.local.service import EngineEndpoint
 VIEW_REQUEST = re.compile(rb"GET /v1/sandboxes/[^/?\s]+ HTTP/1.1$")
 PROCESS_CREATE = re.compile(rb"POST /v1/sandboxes/[^/?\s]+/processes HTTP/1.1$")
 CONNECT_REQUEST = re.compile(rb"GET /v1/sandboxes/[^/?\s]+/processes/[^/?\s]+/connect\?")
+# In an exec frame's JSON, the end of a line the runner wrote: `\n` after an even run of
+# backslashes (a newline within an event's own text is escaped twice: `\\n`).
+EVENT_LINE_END = re.compile(rb"(?<!\\)(?:\\\\)*\\n")
 NOT_FOUND_BODY = b'{"status": "fail", "data": "not found"}'
 NOT_FOUND = (b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nConnection: close\r\n"
              b"Content-Length: " + str(len(NOT_FOUND_BODY)).encode() + b"\r\n\r\n" + NOT_FOUND_BODY)
@@ -94,16 +97,17 @@ class FaultProxy:
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         upstream_r, upstream_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        # Per request on this (keep-alive) connection: is it a streaming exec, and how
-        # many response bytes has it had?
-        state = {"streaming": False, "relayed": 0}
+        # Per request on this (keep-alive) connection: is it a streaming exec (or a process's
+        # connect), how many response bytes has it had, has a whole runner event passed?
+        state: dict[str, Any] = {"streaming": False, "relayed": 0, "event_passed": False, "tail": b""}
 
         async def requests() -> None:
             while data := await client_r.read(65536):
                 if data[:8].split(b" ")[0] in (b"GET", b"POST", b"PUT", b"DELETE", b"PATCH"):
                     request_line = data.split(b"\r\n")[0]
                     streams_output = b"stream=true" in request_line or CONNECT_REQUEST.match(request_line)
-                    state.update(streaming=bool(streams_output), relayed=0)
+                    state.update(streaming=bool(streams_output), relayed=0, tail=b"",
+                                 event_passed=bool(CONNECT_REQUEST.match(request_line)))
                     reply = None
                     if self.refuse_processes and PROCESS_CREATE.match(request_line):
                         self.refused_processes += 1
@@ -143,10 +147,17 @@ class FaultProxy:
                 await upstream_w.drain()
 
         async def responses() -> None:
+            # An exec stream is cut only once a whole event of the runner's has passed: the
+            # kernel takes two exec streams in a row that bring none as a provider that
+            # cannot stream, and polls (under load the runner batches more lines per event).
+            # A process's stream is cut after the bytes alone: its frames are replayed by seq.
             while data := await upstream_r.read(256):
                 if state["streaming"] and self.cuts < self.max_cuts:
                     state["relayed"] += len(data)
-                    if state["relayed"] > self.cut_after_bytes:
+                    seen = state["tail"] + data
+                    state["event_passed"] = state["event_passed"] or bool(EVENT_LINE_END.search(seen))
+                    state["tail"] = seen[-16:]
+                    if state["relayed"] > self.cut_after_bytes and state["event_passed"]:
                         self.cuts += 1
                         return
                 client_w.write(data)
