@@ -61,6 +61,12 @@ class AgentConnections:
         self.open: set[asyncio.StreamWriter] = set()
         self.idle_for_calls: list[Connection] = []
 
+    def close_idle(self) -> None:
+        for _, writer in self.idle_for_calls:
+            self.open.discard(writer)
+            writer.close()
+        self.idle_for_calls.clear()
+
     def close_all(self) -> None:
         self.idle_for_calls.clear()
         for writer in list(self.open):

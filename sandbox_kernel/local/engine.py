@@ -630,8 +630,9 @@ class Engine:
             await sandbox.gate.stop()
         if sandbox.signals:
             await sandbox.signals.stop()
-        # The kept ones too: a founder's agent outlives it while its forks run (see below).
-        sandbox.agent_connections.close_all()
+        # A founder's agent outlives it while its forks run (see below): its kept connections
+        # would stay open with it. (Those in use end with their calls, as the agent is killed.)
+        sandbox.agent_connections.close_idle()
         family = sandbox.family
         if family:
             family.members.discard(sandbox.id)
