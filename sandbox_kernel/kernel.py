@@ -311,7 +311,8 @@ class SandboxKernel(Kernel):
         if not code.strip() and not user_expressions:
             return self._ok()
         if store_history and not silent and self.history:
-            self.history.record(self.cell_count(), code)
+            # Once the cell's request is on its way (SQLite's insert took ~0.2 ms before it).
+            asyncio.get_running_loop().call_soon(self.history.record, self.cell_count(), code)
         out = CellOutput(self._send_iopub, in_place=self._frontend_updates_in_place())
         try:
             session = await self._interruptible(self._ensure_session(out, silent))
