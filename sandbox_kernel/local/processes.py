@@ -127,10 +127,14 @@ async def _relay(sandbox: LocalSandbox, frames: AsyncIterator[bytes],
     try:
         while True:
             try:
-                line = await asyncio.wait_for(queue.get(), HEARTBEAT_SECONDS)
-            except asyncio.TimeoutError:
-                yield HEARTBEAT
-                continue
+                line = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                try:  # (asyncio.timeout: wait_for ran each get as a task of its own, a loop turn more per frame)
+                    async with asyncio.timeout(HEARTBEAT_SECONDS):
+                        line = await queue.get()
+                except TimeoutError:
+                    yield HEARTBEAT
+                    continue
             if line is None:
                 break
             ended = line.startswith(EXIT_FRAME)
