@@ -280,7 +280,6 @@ class Agent:
         finally:
             os._exit(1)
 
-
     async def process_calls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Managed-process ops one after another on one connection the engine keeps: its
         quick calls (a cell's input above all) skip a connection's set-up. A connect has a
