@@ -215,7 +215,7 @@ class Cell:
         self.user_expressions: dict = {}
         self.comm: dict | None = None  # a frontend's comm message to deliver instead of running code
         self.parent_msg_id: str | None = None  # the frontend request whose output this is
-        self.started_count: int | None = None  # the count of its started event, once it runs
+        self.started_count: int | None = None  # its execution count, once it runs
         self.subshell_id: str | None = None  # the kernel subshell it runs in (None: the main shell)
         self.limit_noticed = False  # whether it was told its output is dropped from now on
         self.stored = False  # whether it takes an execution count (known once it runs)
@@ -1909,7 +1909,6 @@ class Daemon:
         ok = False
         reply: dict = {}  # for the execute_reply: user_expressions, payload
         try:
-            self.router.emit("started", execution_count=count)
             if in_main:
                 ok = await self._run_user_code(cell, stored, count)
             else:  # no interrupt, no debugger: as in ipykernel's subshell threads

@@ -53,7 +53,6 @@ SUBSHELL_ID = "subshell_id"
 PARENT = "parent"
 
 # Event types (Jupyter's message types where there is one)
-STARTED = "started"
 STREAM = "stream"
 DISPLAY_DATA = "display_data"
 UPDATE_DISPLAY_DATA = "update_display_data"

@@ -148,7 +148,6 @@ def plain_text(lines: list[str]) -> str:
 
 def assert_well_formed(events: list[dict]) -> None:
     assert [event["seq"] for event in events] == list(range(1, len(events) + 1))
-    assert events[0]["type"] == "started"
     assert events[-1]["type"] == "done"
     assert of_type(events, "done") == [events[-1]]
 
@@ -226,14 +225,14 @@ def test_execute_result_and_counts(daemon):
                        "    def __repr__(self):\n"
                        "        return 'Html()'\n"
                        "Html()")
-    count = first[0]["execution_count"]
+    count = first[-1]["execution_count"]
     assert of_type(first, "execute_result") == [{
-        "seq": 2, "type": "execute_result", "execution_count": count,
+        "seq": 1, "type": "execute_result", "execution_count": count,
         "data": {"text/plain": "Html()", "text/html": "<b>hi</b>"}, "metadata": {}}]
-    assert first[-1] == {"seq": 3, "type": "done", "status": "ok", "execution_count": count}
+    assert first[-1] == {"seq": 2, "type": "done", "status": "ok", "execution_count": count}
 
     assignment = daemon.run("y = 1")
-    assert assignment[0]["execution_count"] == count + 1
+    assert assignment[-1]["execution_count"] == count + 1
     assert of_type(assignment, "execute_result") == []
     assert of_type(daemon.run("y + 1;"), "execute_result") == []
 
@@ -241,7 +240,7 @@ def test_execute_result_and_counts(daemon):
     assert of_type(silent, "execute_result") == []
     unstored = daemon.run("y + 2", store_history=False)
     assert of_type(unstored, "execute_result")[0]["data"]["text/plain"] == "3"
-    assert daemon.run("y")[0]["execution_count"] == count + 3
+    assert daemon.run("y")[-1]["execution_count"] == count + 3
 
 
 def test_display_update_and_clear_ipython(ipython_daemon):
@@ -250,13 +249,13 @@ def test_display_update_and_clear_ipython(ipython_daemon):
                                 "update_display('two', display_id='d1')\n"
                                 "clear_output(wait=True)\n"
                                 "display({'a': 1}, raw=True)")
-    assert [event for event in events if event["type"] not in ("started", "done")] == [
-        {"seq": 2, "type": "display_data", "data": {"text/plain": "'one'"}, "metadata": {},
+    assert [event for event in events if event["type"] != "done"] == [
+        {"seq": 1, "type": "display_data", "data": {"text/plain": "'one'"}, "metadata": {},
          "transient": {"display_id": "d1"}},
-        {"seq": 3, "type": "update_display_data", "data": {"text/plain": "'two'"}, "metadata": {},
+        {"seq": 2, "type": "update_display_data", "data": {"text/plain": "'two'"}, "metadata": {},
          "transient": {"display_id": "d1"}},
-        {"seq": 4, "type": "clear_output", "wait": True},
-        {"seq": 5, "type": "display_data", "data": {"a": 1}, "metadata": {}, "transient": {}},
+        {"seq": 3, "type": "clear_output", "wait": True},
+        {"seq": 4, "type": "display_data", "data": {"a": 1}, "metadata": {}, "transient": {}},
     ]
 
 
@@ -380,7 +379,7 @@ def test_run_is_idempotent(daemon):
     again = daemon.run("runs_counter += 1\nprint(runs_counter)", cell_id=cell_id)
     assert again == first
     assert stdout_of(daemon.run("print(runs_counter)", cell_id=new_cell_id())) == "1\n"
-    assert daemon.run("ignored", cell_id=cell_id, after=2) == first[2:]
+    assert daemon.run("ignored", cell_id=cell_id, after=1) == first[1:]
 
 
 def test_a_repeated_run_replays_exactly_the_tail(daemon):
@@ -398,7 +397,7 @@ def test_a_repeated_run_with_wait_returns_while_running(daemon):
                                   "silent": False, "store_history": True})
     read_until(client, "stream")
     polled = daemon.follow(cell_id, after=0, wait=0.2)
-    assert polled[0]["type"] == "started" and stdout_of(polled) == "x\n"
+    assert polled[0]["seq"] == 1 and stdout_of(polled) == "x\n"
     assert daemon.follow(cell_id, after=polled[-1]["seq"], wait=None)[-1]["type"] == "done"
     client.wait(5)
 
@@ -412,7 +411,7 @@ def test_run_with_wait_submits_and_returns_early(daemon):
     # A print may come as two stream events (its text, then its newline) if the runner's
     # flusher runs between its two writes, as it can under load.
     first = parse(started.stdout)
-    assert first[0]["type"] == "started" and stdout_of(first) == "x\n"
+    assert first[0]["seq"] == 1 and stdout_of(first) == "x\n"
     rest = daemon.follow(cell_id, after=first[-1]["seq"], wait=None)
     assert rest[-1]["type"] == "done" and stdout_of(rest) == "y\n"
 

@@ -101,8 +101,8 @@ def test_child_has_the_parents_live_state(pair):
 
 def test_execution_counts_continue_in_both(pair):
     _, _, before, (parent_first, child_first) = pair
-    assert parent_first[0]["execution_count"] == before
-    assert child_first[0]["execution_count"] == before
+    assert parent_first[-1]["execution_count"] == before
+    assert child_first[-1]["execution_count"] == before
 
 
 def test_state_is_independent(pair):
@@ -160,7 +160,6 @@ def test_fork_while_a_cell_runs_and_another_is_queued(pair):
         assert [e["type"] for e in events[len(first):]] == ["error", "done"]
         assert events[-2]["ename"] == "ForkError" and events[-2]["evalue"] == FORK_EVALUE
         assert events[-1]["status"] == "error"
-        assert events[-1]["execution_count"] == first[0]["execution_count"]
         assert stdout_of(events) == "before\n"
         dropped = child.follow(queued_id)
         assert [e["type"] for e in dropped] == ["error", "done"]
@@ -168,10 +167,11 @@ def test_fork_while_a_cell_runs_and_another_is_queued(pair):
         # The child goes on; the running cell's number is used up.
         next_cell = child.run("print('child alive')")
         assert stdout_of(next_cell) == "child alive\n"
-        assert next_cell[0]["execution_count"] == first[0]["execution_count"] + 1
+        assert next_cell[-1]["execution_count"] == events[-1]["execution_count"] + 1
         # In the parent both complete normally.
         rest = read_until(running, "done")
         assert rest[-1]["status"] == "ok" and stdout_of(first + rest) == "before\nafter\n"
+        assert rest[-1]["execution_count"] == events[-1]["execution_count"]
         assert running.wait(5) == 0
         queued_events = read_until(queued, "done")
         assert stdout_of(queued_events) == "queued ran\n" and queued_events[-1]["status"] == "ok"
