@@ -80,15 +80,18 @@ class AgentClient:
 
     async def _open(self, limit: int) -> Connection:
         # Connect through /proc/self/fd so a deep state dir cannot push the socket path
-        # past the 108-byte sun_path limit.
-        dir_fd = os.open(self.socket_dir, os.O_PATH)
+        # past the 108-byte sun_path limit. The dir is gone once its sandbox is destroyed
+        # (a call racing the destroy): that agent is unavailable too.
+        dir_fd = -1
         try:
+            dir_fd = os.open(self.socket_dir, os.O_PATH)
             reader, writer = await asyncio.open_unix_connection(
                 f"/proc/self/fd/{dir_fd}/agent.sock", limit=limit)
         except OSError as exc:
             raise AgentUnavailable(str(exc)) from None
         finally:
-            os.close(dir_fd)
+            if dir_fd >= 0:
+                os.close(dir_fd)
         self.connections.open.add(writer)
         return reader, writer
 
@@ -113,8 +116,11 @@ class AgentClient:
         `limit` bounds each line of the answer."""
         line = encoded(request)
         async with self._connect(limit) as (reader, writer):
-            writer.write(line + body)
-            await writer.drain()
+            try:
+                writer.write(line + body)
+                await writer.drain()
+            except ConnectionError as exc:  # the agent ended just now (its sandbox is being destroyed)
+                raise AgentUnavailable(str(exc)) from None
             yield reader, writer
 
     @staticmethod
@@ -124,6 +130,8 @@ class AgentClient:
             return await reader.readline()
         except ValueError:  # asyncio's limit overrun: never buffered whole
             raise AgentUnavailable("agent sent a line longer than this connection's limit") from None
+        except ConnectionError as exc:
+            raise AgentUnavailable(str(exc)) from None
 
     @classmethod
     async def _reply(cls, reader: asyncio.StreamReader) -> dict:

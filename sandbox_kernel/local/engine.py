@@ -586,7 +586,7 @@ class Engine:
             if sandbox.family.process.returncode is not None:
                 detail = await sandbox.family.console.last_words() if sandbox.family.console else ""
                 raise SandboxStartFailed(f"sandbox failed to start: {detail[-500:] or 'bwrap exited'}")
-            with contextlib.suppress(AgentUnavailable, FileNotFoundError):
+            with contextlib.suppress(AgentUnavailable):
                 await sandbox.agent.ping()
                 return
             await asyncio.sleep(0.01)
