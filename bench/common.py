@@ -27,7 +27,7 @@ from typing import Any
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.manager import AsyncKernelManager
 
-from sandbox_kernel.api import NotFoundError, SandboxClient
+from sandbox_kernel.api import ConflictError, NotFoundError, SandboxClient
 from sandbox_kernel.local.service import EngineEndpoint
 
 SANDBOX = "bench-sandbox"
@@ -107,7 +107,8 @@ def bench_env() -> Iterator[BenchEnv]:
 async def _destroy_every_sandbox(engine: EngineEndpoint) -> None:
     async with SandboxClient(engine.url, engine.token) as api:
         for sandbox in await api.list_sandboxes():
-            with contextlib.suppress(NotFoundError):  # it was on its way out
+            # On its way out: gone, or being destroyed by its kernel's shutdown (409).
+            with contextlib.suppress(NotFoundError, ConflictError):
                 await api.delete_sandbox(sandbox.id)
 
 

@@ -88,9 +88,10 @@ def main() -> None:
     started = time.monotonic()
     with bench_env() as env:
         rows = asyncio.run(run(args.only or list(MEASURES), plan, env))
-    print(markdown_table(rows))
-    print(f"\n{os.cpu_count()} CPUs, {time.monotonic() - started:.0f} s in all"
-          + (" (--quick: repeat counts too small for meaningful numbers)" if args.quick else ""))
+        # Before the clean-up, which a failure must not cost the numbers.
+        print(markdown_table(rows))
+        print(f"\n{os.cpu_count()} CPUs, {time.monotonic() - started:.0f} s in all"
+              + (" (--quick: repeat counts too small for meaningful numbers)" if args.quick else ""), flush=True)
 
 
 if __name__ == "__main__":
