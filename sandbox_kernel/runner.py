@@ -1797,8 +1797,10 @@ class Daemon:
     def _start_serving(self) -> None:
         self._server = self._listen()
         threading.Thread(target=self._accept_forever, args=(self._server,), name="accept", daemon=True).start()
+        # Registered before it says it is ready: a sandbox forked as soon as its runner is
+        # ready must take the runner along (a fork asked for meanwhile waits for _built too).
+        self._register()
         self._write_ready()
-        self._register()  # a fork the agent asks for meanwhile waits for _built too
 
     def _main_loop(self) -> None:
         """Run queued cells forever on a new event loop. A cell can use the running loop
