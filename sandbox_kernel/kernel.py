@@ -315,11 +315,12 @@ class SandboxKernel(Kernel):
             # insert took ~0.2 ms of the way to the sandbox).
             asyncio.get_running_loop().call_soon(self.history.record, self.cell_count(), code)
         out = CellOutput(self._send_iopub, in_place=self._frontend_updates_in_place())
+        # Once the sandbox is up there is nothing to wait for, so no interruptible task: its
+        # loop turn came before the cell's request, with whatever else was ready to run.
+        up = self._sandbox_ready()
         ensure = self._ensure_session(out, silent)
         try:
-            # Once the sandbox is up there is nothing to wait for, so no interruptible task: its
-            # loop turn came before the cell's request, with whatever else was ready to run.
-            session = await (ensure if self._sandbox_ready() else self._interruptible(ensure))
+            session = await (ensure if up else self._interruptible(ensure))
         except SessionError as exc:
             return self._fail("SandboxUnavailable", str(exc))
         except WaitInterrupted:
