@@ -116,12 +116,16 @@ class AgentClient:
         `limit` bounds each line of the answer."""
         line = encoded(request)
         async with self._connect(limit) as (reader, writer):
-            try:
-                writer.write(line + body)
-                await writer.drain()
-            except ConnectionError as exc:  # the agent ended just now (its sandbox is being destroyed)
-                raise AgentUnavailable(str(exc)) from None
+            await self._send(writer, line + body)
             yield reader, writer
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
+        try:
+            writer.write(data)
+            await writer.drain()
+        except ConnectionError as exc:  # the agent ended just now (its sandbox is being destroyed)
+            raise AgentUnavailable(str(exc)) from None
 
     @staticmethod
     async def _line(reader: asyncio.StreamReader) -> bytes:
@@ -166,14 +170,11 @@ class AgentClient:
         line = encoded({"op": "process_" + op, **fields, **({"size": len(body)} if body else {})})
         reader, writer = await self._call_connection()
         whole_answer = False
-        try:
-            writer.write(line + body)
-            await writer.drain()
+        try:  # a kept connection whose agent has gone fails in _send or _line
+            await self._send(writer, line + body)
             answer = await self._line(reader)
             whole_answer = answer.endswith(b"\n")
             return _answer(answer)
-        except ConnectionError as exc:  # a kept connection whose agent has gone
-            raise AgentUnavailable(str(exc)) from None
         finally:
             await self._release_call_connection(reader, writer, reusable=whole_answer)
 
