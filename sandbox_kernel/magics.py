@@ -11,18 +11,19 @@ import argparse
 import html
 import posixpath
 import re
-import shlex
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
-from . import egress_rules, names, ownership
+from . import egress_rules, magic_words, names, ownership
 from .api import EgressView, SandboxView
 from .api.models import parse_rfc3339
 from .config import SHUTDOWN_POLICIES
 from .cost import Cost
+from .magic_words import Word
 from .output import CellOutput, html_without_math
 from .session import SandboxSession
 from .transfer import CHUNK, MAX_FILE, WORKSPACE, Transfer, TransferError, describe_size, host_path, sandbox_path
@@ -226,54 +227,64 @@ def table(rows: list[tuple[str, str]]) -> dict[str, str]:
     return {"text/plain": text, "text/html": html_without_math(f"<table>{body}</table>")}
 
 
-# Run in the sandbox to expand `{expr}` and `$name` in a magic line with the notebook's
-# variables: IPython's var_expand, as for its own magics, or the plain runner's equivalent.
-EXPAND_CODE = """\
-try:
-    print(get_ipython().var_expand(%(line)r), end="")
-except NameError:
-    print(_sandbox_kernel_expand(%(line)r, globals()), end="")
-"""
-
-
 class SandboxMagics:
     def __init__(self, session: SandboxSession, out: CellOutput) -> None:
         self.session = session
         self.out = out
 
-    async def expand(self, line: str) -> str:
-        """The line with the notebook's variables put in (`%sandbox attach {orig}`)."""
-        if "{" not in line and "$" not in line:
-            return line
+    async def words(self, prog: str, rest: str) -> list[Word]:
+        """The line's words, `{expr}` and `$name` filled in from the notebook's variables as
+        IPython does for its magics (`%sandbox attach {child}`), each value kept to the one
+        word it was written in (magic_words says why)."""
+        try:
+            pieces = magic_words.split_words(rest)
+            expressions = magic_words.expressions_of(pieces)
+            values = await self.values(expressions) if expressions else None
+            words = magic_words.fill_in(pieces, values)
+            magic_words.check_words(words, has_command=prog in (MAGIC, EGRESS))
+        except magic_words.MagicLineError as exc:
+            raise MagicError(f"{prog}: {exc}") from None
+        return words
+
+    async def values(self, expressions: list[str]) -> dict[str, str] | None:
+        """The expressions' values from the sandbox; None where one failed (as in IPython,
+        the line is then taken as typed)."""
         printed: list[str] = []
+        size = 0
 
         async def collect(event: dict[str, Any]) -> None:
-            if event.get("type") == "stream" and event.get("name") == "stdout":
-                printed.append(event["text"])
+            nonlocal size
+            if event.get("type") == "stream" and event.get("name") == "stdout" and size <= magic_words.MAX_ANSWER:
+                text = str(event.get("text", ""))
+                size += len(text)
+                printed.append(text)
 
         sandbox_id = self.session.sandbox_id
         done = await self.session.run_cell(
-            uuid.uuid4().hex, EXPAND_CODE % {"line": line}, collect, silent=True, store_history=False,
-            on_resume=lambda: self.out.progress(f"Sandbox {sandbox_id} was paused: resuming…"))
-        return "".join(printed).strip() if done.get("status") == "ok" and printed else line
+            uuid.uuid4().hex, magic_words.VALUES_CODE % {"expressions": expressions}, collect, silent=True,
+            store_history=False, on_resume=lambda: self.out.progress(f"Sandbox {sandbox_id} was paused: resuming…"))
+        if done.get("status") != "ok":
+            return None
+        return magic_words.parse_values("".join(printed), expressions)
 
     async def run(self, line: str) -> None:
-        line = await self.expand(line)
-        if line.startswith((UPLOAD, DOWNLOAD)):
-            await self.transfer(line)
+        prog = next(name for name in (UPLOAD, DOWNLOAD, EGRESS, MAGIC) if line.startswith(name))
+        words = await self.words(prog, line[len(prog):])
+        if prog in (UPLOAD, DOWNLOAD):
+            await self.transfer(prog, words)
             return
-        egress = line.startswith(EGRESS)
-        prog, text = (EGRESS, EGRESS_HELP) if egress else (MAGIC, HELP)
-        words = line[len(prog):].split()
-        asked = help_for(text, prog, words)
+        egress = prog == EGRESS
+        text = EGRESS_HELP if egress else HELP
+        typed = [word.text for word in words]
+        asked = help_for(text, prog, typed)
         if asked is not None:
             self.out.text(asked)
             return
         if egress:
-            args = EGRESS_PARSER.parse_args(words)
+            args = EGRESS_PARSER.parse_args(typed)
             await getattr(self, "egress_" + (args.command or "show").replace("-", "_"))(args)
             return
-        args = PARSER.parse_args(words)
+        args = PARSER.parse_args(typed)
         command = "help" if args.command is None else args.command
         handler = getattr(self, "do_" + command.replace("-", "_"))
         await handler(args)
@@ -386,36 +397,39 @@ class SandboxMagics:
 
     # -- %upload, %download ---------------------------------------------------------------
 
-    async def transfer(self, line: str) -> None:
-        upload = line.startswith(UPLOAD)
-        prog = UPLOAD if upload else DOWNLOAD
-        try:
-            words = shlex.split(line[len(prog):])
-        except ValueError as exc:
-            raise MagicError(f"{prog}: {exc}") from None
-        if not words or words[0] in ("help", "-h", "--help"):
+    async def transfer(self, prog: str, words: list[Word]) -> None:
+        upload = prog == UPLOAD
+        if not words or words[0].text in ("help", "-h", "--help"):
             self.out.text(TRANSFER_HELP)
             return
-        if len(words) > 2 or words[0].startswith("-"):
+        if len(words) > 2 or words[0].is_option():
             raise MagicError(f"{prog}: expected {'LOCAL [REMOTE]' if upload else 'REMOTE [LOCAL]'} "
                              f"(see {prog} help)")
         source, target = words[0], words[1] if len(words) == 2 else None
-        name = posixpath.basename(source.rstrip("/")) or source
+        name = posixpath.basename(source.text.rstrip("/")) or source.text
+        # The host side: LOCAL as given, or (downloading) the remote's name, which a value
+        # of the sandbox may have chosen too.
+        local = source if upload else target or Word(name, source.from_sandbox)
+        try:
+            magic_words.check_host_path(local, Path.cwd())
+        except magic_words.MagicLineError as exc:
+            raise MagicError(f"{prog}: {exc}") from None
+        source_text, target_text = source.text, target.text if target else None
         await self._running()
-        line_out = self.out.progress(f"{'Uploading' if upload else 'Downloading'} {source}…")
+        line_out = self.out.progress(f"{'Uploading' if upload else 'Downloading'} {source_text}…")
         assert self.session.client is not None and self.session.sandbox_id is not None  # started
         work = Transfer(self.session.client, self.session.sandbox_id, line_out)
         try:
             if upload:
-                done = await work.upload(host_path(source), sandbox_path(target or name))
+                done = await work.upload(host_path(source_text), sandbox_path(target_text or name))
             else:
-                done = await work.download(sandbox_path(source), host_path(target or name))
+                done = await work.download(sandbox_path(source_text), host_path(target_text or name))
         except TransferError as exc:
-            line_out.update(f"{prog} {source}: failed")
+            line_out.update(f"{prog} {source_text}: failed")
             raise MagicError(f"{prog}: {exc}") from None
         except OSError as exc:  # this machine's side: permissions, a full disk...
-            line_out.update(f"{prog} {source}: failed")
-            raise MagicError(f"{prog}: {exc.strerror or exc}: {exc.filename or source}") from None
+            line_out.update(f"{prog} {source_text}: failed")
+            raise MagicError(f"{prog}: {exc.strerror or exc}: {exc.filename or source_text}") from None
         line_out.update(done)
 
     async def _running(self) -> None:
