@@ -409,7 +409,7 @@ class SandboxMagics:
             if upload:
                 done = await work.upload(host_path(source), sandbox_path(target or name))
             else:
-                done = await work.download(sandbox_path(source), host_path(target or name))
+                done = await work.download(sandbox_path(source), host_path(target) if target else None)
         except TransferError as exc:
             line_out.update(f"{prog} {source}: failed")
             raise MagicError(f"{prog}: {exc}") from None
