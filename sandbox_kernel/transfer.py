@@ -203,7 +203,7 @@ class Transfer:
         await self._exec('mkdir -p -- "$@"', *dirs)
         for path, target in targets:
             await self._upload_file(path, target, follow=path == local)
-        links = f" ({skipped} symlinks or special files skipped)" if skipped else ""
+        links = f" ({skipped} skipped: symlinks and special files are not uploaded)" if skipped else ""
         return f"Uploaded {self.tally.summary()} to {remote}{links}"
 
     async def _upload_file(self, local: Path, remote: str, follow: bool) -> None:

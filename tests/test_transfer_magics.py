@@ -27,6 +27,8 @@ def test_upload_and_download_files_and_directories(kernelspec: str, tmp_path: Pa
     (notebook_dir / "data" / "nested").mkdir(parents=True)
     (notebook_dir / "data" / "a.csv").write_text("x,y\n1,2\n")
     (notebook_dir / "data" / "nested" / "b.txt").write_text("deep")
+    (tmp_path / "host-secret.txt").write_text("not for the sandbox")
+    (notebook_dir / "data" / "secret-link").symlink_to(tmp_path / "host-secret.txt")  # not followed
     big = os.urandom(2 * CHUNK + 12345)  # three pieces
     (notebook_dir / "big.bin").write_bytes(big)
 
@@ -35,9 +37,10 @@ def test_upload_and_download_files_and_directories(kernelspec: str, tmp_path: Pa
         up = execute(kc, "%upload data")
         assert up.reply["content"]["status"] == "ok", up.outputs
         assert lines_of(up)[-1].startswith("Uploaded 2 files, 12 B in ")
-        assert lines_of(up)[-1].endswith(" to /workspace/data")
-        seen = execute(kc, "print(open('/workspace/data/a.csv').read(), open('data/nested/b.txt').read())")
-        assert seen.text() == "x,y\n1,2\n deep\n"
+        assert lines_of(up)[-1].endswith(" to /workspace/data (1 skipped: symlinks and special files are not uploaded)")
+        seen = execute(kc, "import os\nprint(open('/workspace/data/a.csv').read(), open('data/nested/b.txt').read(),\n"
+                           "      os.path.lexists('data/secret-link'))")
+        assert seen.text() == "x,y\n1,2\n deep False\n"
 
         up_big = execute(kc, "%upload big.bin /workspace/in/big.bin")
         shown = lines_of(up_big)
