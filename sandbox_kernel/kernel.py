@@ -883,7 +883,8 @@ class _EventTranslator:
         self.cell_id = cell_id
         self.last_error: dict[str, Any] | None = None
         self.asked_exit = False
-        self.input_tasks: list[asyncio.Task[None]] = []
+        self.input_task: asyncio.Task[None] | None = None  # the question the frontend was asked
+        self.dropped_input_request = False
         self.guard = OutputGuard(session.settings.output_limit)
         # Its cell's request: events that come after the cell (from a background thread)
         # still belong to it. The events are handled in the channel's reader task, whose
@@ -935,9 +936,7 @@ class _EventTranslator:
         elif kind == "ask_exit":
             self.asked_exit = True
         elif kind == "input_request":
-            # Don't block the event stream while the user types.
-            self.input_tasks.append(self.context.run(asyncio.get_running_loop().create_task,
-                                                     self._ask(event.get("prompt", ""), event.get("password", False))))
+            self._input_request(event)
 
     def _forward_comm(self, event: dict[str, Any]) -> None:
         """A message of a comm in the sandbox, to the frontend, binary buffers restored."""
@@ -955,12 +954,27 @@ class _EventTranslator:
         self.kernel.session.send(self.kernel.iopub_socket, event["msg_type"], content, self.parent,
                                  buffers=raw, metadata=metadata)
 
+    def _input_request(self, event: dict[str, Any]) -> None:
+        """Ask the frontend, without blocking the event stream while the user types. One
+        question of a cell at a time: the runner asks one and waits for its answer, so a
+        second one meanwhile is forged by code in the sandbox, and is dropped (one log line
+        a cell), costing no more than this check."""
+        if self.input_task is not None and not self.input_task.done():
+            if not self.dropped_input_request:
+                self.dropped_input_request = True
+                log.warning("cell %s: dropped an input_request while one was waiting for its answer", self.cell_id)
+            return
+        prompt, password = event.get("prompt", ""), event.get("password", False)
+        self.input_task = self.context.run(
+            asyncio.get_running_loop().create_task,
+            self._ask(prompt if isinstance(prompt, str) else "", password if isinstance(password, bool) else False))
+
     async def _ask(self, prompt: str, password: bool) -> None:
         await self.session.send_input(self.cell_id, await self.kernel.ask_frontend(prompt, password))
 
     def flush_input_tasks(self) -> None:
-        for task in self.input_tasks:
-            task.cancel()
+        if self.input_task is not None:
+            self.input_task.cancel()
 
 
 def main() -> None:

@@ -423,7 +423,7 @@ class SandboxMagics:
             if upload:
                 done = await work.upload(host_path(source_text), sandbox_path(target_text or name))
             else:
-                done = await work.download(sandbox_path(source_text), host_path(target_text or name))
+                done = await work.download(sandbox_path(source_text), host_path(target_text) if target_text else None)
         except TransferError as exc:
             line_out.update(f"{prog} {source_text}: failed")
             raise MagicError(f"{prog}: {exc}") from None

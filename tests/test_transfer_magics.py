@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kernel_helpers import execute, running_kernel
-from sandbox_kernel.transfer import CHUNK, TransferError, inside
+from sandbox_kernel.transfer import CHUNK, MAX_FILE, TransferError, move_into, parse_listing, relative_parts
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +27,8 @@ def test_upload_and_download_files_and_directories(kernelspec: str, tmp_path: Pa
     (notebook_dir / "data" / "nested").mkdir(parents=True)
     (notebook_dir / "data" / "a.csv").write_text("x,y\n1,2\n")
     (notebook_dir / "data" / "nested" / "b.txt").write_text("deep")
+    (tmp_path / "host-secret.txt").write_text("not for the sandbox")
+    (notebook_dir / "data" / "secret-link").symlink_to(tmp_path / "host-secret.txt")  # not followed
     big = os.urandom(2 * CHUNK + 12345)  # three pieces
     (notebook_dir / "big.bin").write_bytes(big)
 
@@ -35,9 +37,10 @@ def test_upload_and_download_files_and_directories(kernelspec: str, tmp_path: Pa
         up = execute(kc, "%upload data")
         assert up.reply["content"]["status"] == "ok", up.outputs
         assert lines_of(up)[-1].startswith("Uploaded 2 files, 12 B in ")
-        assert lines_of(up)[-1].endswith(" to /workspace/data")
-        seen = execute(kc, "print(open('/workspace/data/a.csv').read(), open('data/nested/b.txt').read())")
-        assert seen.text() == "x,y\n1,2\n deep\n"
+        assert lines_of(up)[-1].endswith(" to /workspace/data (1 skipped: symlinks and special files are not uploaded)")
+        seen = execute(kc, "import os\nprint(open('/workspace/data/a.csv').read(), open('data/nested/b.txt').read(),\n"
+                           "      os.path.lexists('data/secret-link'))")
+        assert seen.text() == "x,y\n1,2\n deep False\n"
 
         up_big = execute(kc, "%upload big.bin /workspace/in/big.bin")
         shown = lines_of(up_big)
@@ -78,13 +81,40 @@ def test_upload_and_download_files_and_directories(kernelspec: str, tmp_path: Pa
         assert execute(kc, "print('still here')").text() == "still here\n"
 
 
-def test_a_listed_name_never_leaves_the_target_directory(tmp_path: Path) -> None:
+def test_a_listed_name_never_leaves_the_target_directory() -> None:
     """The sandbox lists a directory for %download: its names are not trusted."""
-    (tmp_path / "outside").mkdir()
-    (tmp_path / "target").mkdir()
-    (tmp_path / "target" / "link").symlink_to(tmp_path / "outside")
-    root = (tmp_path / "target").resolve()
-    assert inside(root, "a/b.txt") == root / "a" / "b.txt"
-    for name in ("../escape.txt", "/etc/passwd", "a/../../escape", "link/x.txt", ""):
+    assert relative_parts("a/b.txt") == ("a", "b.txt")
+    for name in ("../escape.txt", "/etc/passwd", "a/../../escape", "a/./b", "a//b", "", "a/\0"):
         with pytest.raises(TransferError):
-            inside(root, name)
+            relative_parts(name)
+    for output in ('{"dir": [["../x", 1]]}', '{"dir": [["x", -5]]}', '{"dir": [["x", true]]}', '{"file": "1"}',
+                   '{"dir": {"x": 1}}', "[]", "not json", f'{{"dir": [["x", {MAX_FILE + 1}]]}}'):
+        with pytest.raises(TransferError):
+            parse_listing("/workspace/d", output)
+
+
+def test_a_merge_never_passes_through_a_host_symlink(tmp_path: Path) -> None:
+    """A directory download into an existing folder: a symlink of this machine on the way
+    is refused before anything moves, and a file replaces a symlink rather than writing
+    through it."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.txt").write_text("mine")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "link").symlink_to(outside)
+    (target / "file-link").symlink_to(outside / "victim.txt")
+    staging = tmp_path / "staging"
+    (staging / "link").mkdir(parents=True)
+    (staging / "link" / "victim.txt").write_text("planted")
+    (staging / "new.txt").write_text("new")
+    with pytest.raises(TransferError, match="not a directory"):
+        move_into(staging, target)
+    assert (outside / "victim.txt").read_text() == "mine" and not (target / "new.txt").exists()
+    (staging / "link" / "victim.txt").unlink()
+    (staging / "link").rmdir()
+    (staging / "file-link").write_text("replaced")
+    move_into(staging, target)
+    assert (outside / "victim.txt").read_text() == "mine"
+    assert not (target / "file-link").is_symlink() and (target / "file-link").read_text() == "replaced"
+    assert (target / "new.txt").read_text() == "new"

@@ -877,20 +877,28 @@ class SandboxClient:
         return self._decode(FileUploadResponse, payload, "PUT", route)
 
     async def download_file(self, sandbox_id: str, path: str, *, timeout: float | None = None) -> bytes:
-        """``GET .../files?path=<abs>``: the raw bytes on 200 (JSend error otherwise). Never retried."""
-        route = self._sb(sandbox_id) + "/files"
-        response = await self._send("GET", route, params={"path": path}, timeout=timeout, retry=False)
-        if response.status_code == 200:
-            return response.content
-        if 200 < response.status_code < 300:
-            raise protocol_error(
-                f"unexpected HTTP {response.status_code} for a download",
-                response,
-                method="GET",
-                path=self._prefix + route,
-            )
-        if 300 <= response.status_code < 400:
-            raise protocol_error(f"unexpected redirect (HTTP {response.status_code})", response,
-                                 method="GET", path=self._prefix + route)
-        raise error_from_response(response, method="GET", path=self._prefix + route, secrets=self._secrets)
+        """``GET .../files?path=<abs>``: the raw bytes on 200 (JSend error otherwise), held whole: for files
+        of a known, small size; :meth:`download_stream` bounds what it holds. Never retried."""
+        async with self.download_stream(sandbox_id, path, timeout=timeout) as chunks:
+            return b"".join([chunk async for chunk in chunks])
 
+    @asynccontextmanager
+    async def download_stream(
+        self, sandbox_id: str, path: str, *, timeout: float | None = None
+    ) -> AsyncIterator[AsyncIterator[bytes]]:
+        """``GET .../files?path=<abs>``, its body as it arrives: ``async with client.download_stream(id, path) as
+        chunks: async for chunk in chunks: ...``, so the caller counts and bounds what it takes (the announced
+        size is the server's word). JSend error on a failure status. Never retried."""
+        route = self._sb(sandbox_id) + "/files"
+        async with self._stream("GET", route, {"path": path}, None, timeout) as response:
+            if response.status_code != 200:
+                raise protocol_error(f"unexpected HTTP {response.status_code} for a download", response,
+                                     method="GET", path=self._prefix + route)
+            yield self._body_chunks(response, route)
+
+    async def _body_chunks(self, response: httpx.Response, route: str) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in response.aiter_bytes():
+                yield chunk
+        except httpx.TransportError as exc:
+            raise self._transport_error(exc, "GET", route, 1) from None

@@ -153,6 +153,40 @@ async def _default_resolve(host: str, port: int) -> list[IPAddress]:
     return out
 
 
+class RefusalLog:
+    """The engine log's lines about one sandbox's refused connections. A sandbox can make
+    thousands a second (100k in 30 s grew the log by 60 MiB), so the first FIRST_LINES are
+    logged one by one, then one line per SUMMARY_INTERVAL seconds says how many more there
+    were. The log is for the engine's operator; every refusal is still counted and the
+    newest are kept for `%egress` (EgressProxy.denied_count, .denials)."""
+
+    FIRST_LINES = 20
+    SUMMARY_INTERVAL = 60.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.logged = 0
+        self.unlogged = 0  # refusals since the last line
+        self._next_summary = 0.0
+
+    def refused(self, where: str, reason: str) -> None:
+        if self.logged < self.FIRST_LINES:
+            self.logged += 1
+            log.info("egress denied: %s: %s", where, reason)
+            if self.logged == self.FIRST_LINES:
+                log.info("egress denied %d connections of this sandbox: further refusals are "
+                         "summed up every %.0f s", self.logged, self.SUMMARY_INTERVAL)
+                self._next_summary = self._clock() + self.SUMMARY_INTERVAL
+            return
+        self.unlogged += 1
+        now = self._clock()
+        if now >= self._next_summary:
+            log.info("egress denied %d more connections of this sandbox (last: %s: %s)",
+                     self.unlogged, where, reason)
+            self.unlogged = 0
+            self._next_summary = now + self.SUMMARY_INTERVAL
+
+
 class EgressProxy:
     """Serves sandbox egress connections one stream pair at a time (see module docstring).
 
@@ -183,6 +217,7 @@ class EgressProxy:
         self.handshake_timeout = handshake_timeout
         self.denials: collections.deque[Denial] = collections.deque(maxlen=keep_denials)
         self.denied_count = 0
+        self.refusal_log = RefusalLog()
         self.allowed_count = 0
         self.bytes_out = 0  # relayed from the sandbox to its destinations (CreateOS's used_bytes)
         self.bytes_in = 0  # relayed back into the sandbox (ingress_bytes)
@@ -228,7 +263,7 @@ class EgressProxy:
     def _record_denial(self, host: str, port: int, reason: str) -> None:
         self.denied_count += 1
         self.denials.append(Denial(at=time.time(), host=host, port=port, reason=reason))
-        log.info("egress denied: %s: %s", _hostport(host, port), reason)
+        self.refusal_log.refused(_hostport(host, port), reason)
 
     def _is_blocked(self, addr: IPAddress, port: int) -> bool:
         return port in self._blocked_ports and is_host_address(addr)

@@ -28,12 +28,14 @@ from typing import BinaryIO
 import httpx
 
 from ..paths import write_private
+from .engine_log import bound_if_redirected
 
 log = logging.getLogger("sandbox_kernel.service")
 
 ENGINE_FILE = "engine.json"
 TOKEN_FILE = "token"
 SOCKET_FILE = "engine.sock"
+LOG_FILE = "engine.log"  # size-rotated by the engine itself (engine_log.py)
 START_TIMEOUT = 30.0
 SUN_PATH_MAX = 107
 KEEP_ALIVE_SECONDS = 65
@@ -89,7 +91,7 @@ def ensure_engine(state_dir: Path, idle_timeout: float = 600.0) -> EngineEndpoin
         if endpoint:
             return endpoint
         (state_dir / ENGINE_FILE).unlink(missing_ok=True)
-        with open_private(state_dir / "engine.log") as log_file:
+        with open_private(state_dir / LOG_FILE) as log_file:
             process = subprocess.Popen(
                 [sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(state_dir),
                  "--idle-timeout", str(idle_timeout)],
@@ -99,7 +101,7 @@ def ensure_engine(state_dir: Path, idle_timeout: float = 600.0) -> EngineEndpoin
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise RuntimeError("the local engine failed to start; see "
-                                   f"{state_dir / 'engine.log'}")
+                                   f"{state_dir / LOG_FILE}")
             endpoint = read_endpoint(state_dir)
             if endpoint:
                 return endpoint
@@ -221,6 +223,7 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     # (The agent sets the usual 022 again for the sandbox's own files.)
     os.umask(0o077)
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # `serve --state-dir NEW` makes it
+    bound_if_redirected(state_dir / LOG_FILE)
     token = load_or_create_token(state_dir)
     engine = Engine(state_dir)
     await engine.start_adopted()
