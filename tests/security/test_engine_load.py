@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -61,6 +60,7 @@ async def until(check, what: str, timeout: float = STUCK) -> None:  # type: igno
 # what the proxy answered each (its status line and reason).
 FIRE_CONNECTS = textwrap.dedent(f"""
     import json, os, socket, threading
+    threading.stack_size(256 * 1024)  # 60 default stacks would pass a 256 MiB RLIMIT_DATA
     port = int(os.environ["SANDBOX_EGRESS_PORT"])
     answers = []
     def connect(number):
