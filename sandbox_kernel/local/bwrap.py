@@ -216,12 +216,13 @@ def proxy_env() -> dict[str, str]:
 
 
 def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path, seccomp_fd: int,
-                    handover: Handover, rlimits: str = "", packages: bool = True) -> list[str]:
+                    handover: Handover, shm_mib: int, rlimits: str = "", packages: bool = True) -> list[str]:
     """bwrap's options for one sandbox (the command is in launch_command).
 
     seccomp_fd: a readable fd holding the BPF filter (seccomp.py); handover: the data and host
     paths the options refer to (the caller hands them to bwrap); rlimits: what the agent must set
-    on itself when no cgroup holds the limits (limits.Limiter.rlimits); packages: False
+    on itself when no cgroup holds the limits (limits.Limiter.rlimits); shm_mib: the size
+    of its /dev/shm (limits.Limits.shm_mib), a tmpfs: host memory; packages: False
     hides the Python environment's installed packages (stdlib only)."""
     hostname = "sandbox"
     python_bin = os.path.dirname(sys.executable)
@@ -240,7 +241,8 @@ def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path, seccomp
             cmd += ["--ro-bind", str(host), str(host)]
     # Host-wide kernel settings live under /proc/sys: read-only whoever the sandbox is.
     cmd += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
-            "--dev", "/dev", "--tmpfs", "/dev/shm", "--dir", "/etc", "--dir", "/run"]
+            "--dev", "/dev", "--size", str(shm_mib * 1024 * 1024), "--tmpfs", "/dev/shm",
+            "--dir", "/etc", "--dir", "/run"]
     for name in HOST_ETC:
         if (Path("/etc") / name).exists():
             cmd += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]

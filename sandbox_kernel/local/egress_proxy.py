@@ -15,7 +15,15 @@ bytes go (no DNS rebinding). An IP literal is checked as ``decide(None, ip, port
 ``blocked_ports`` are closed on every address of the host itself (loopback, 0.0.0.0, ::,
 its interfaces' addresses, in any spelling) whatever the rules say: the engine's own API.
 A denied attempt fails fast, without any connection attempt, and is recorded in
-``denials`` / ``denied_count``. Tunnels stay registered while they relay: ``cut_disallowed``
+``denials`` / ``denied_count``.
+
+Name lookups block a thread for as long as the resolver takes, and a resolver that never
+answers takes the thread's whole life: each runs in a daemon thread of its own (never in
+asyncio's default executor, which the engine's own blocking work uses), at most
+``max_lookups`` at once per proxy (one proxy serves one sandbox). A lookup counts until its
+thread returns, not until the connection gives up on it after ``lookup_timeout``: past the
+budget a connection is refused at once, saying why (``refused_lookups``), so one sandbox's
+hung lookups cost the host a bounded number of threads and nobody else any. Tunnels stay registered while they relay: ``cut_disallowed``
 ends those the current rules no longer allow (after a rule change).
 
 Everything stays inside ``handle``: every error path closes both sides, the relay tasks
@@ -32,6 +40,7 @@ import ipaddress
 import logging
 import re
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -50,6 +59,8 @@ Resolve = Callable[[str, int], Awaitable[list[IPAddress]]]
 BLOCKED_REASON = "the sandbox engine's API is never reachable from a sandbox"
 MAX_HEADER_BYTES = 64 * 1024
 RELAY_CHUNK = 64 * 1024
+MAX_LOOKUPS = 8  # name lookups one sandbox may have unanswered at once
+LOOKUP_TIMEOUT = 10.0  # how long a connection waits for its lookup
 
 _HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[a-z0-9_](?:[a-z0-9_-]{0,62})(?:\.[a-z0-9_](?:[a-z0-9_-]{0,62}))*$")
 _DROP_UPSTREAM = {"proxy-connection", "proxy-authorization", "connection", "keep-alive"}
@@ -139,9 +150,34 @@ def is_host_address(addr: IPAddress) -> bool:
     return True
 
 
-async def _default_resolve(host: str, port: int) -> list[IPAddress]:
+def _in_daemon_thread(call: Callable[[], object]) -> asyncio.Future:
+    """call() in a new daemon thread; its outcome as a future of the running loop. A daemon
+    thread, as a hung lookup must hold up neither the engine's other work nor its exit."""
     loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    outcome: asyncio.Future = loop.create_future()
+
+    def settle(result: object, error: BaseException | None) -> None:
+        if outcome.done():
+            return
+        if error is not None:
+            outcome.set_exception(error)
+        else:
+            outcome.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = call(), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="egress-lookup", daemon=True).start()
+    return outcome
+
+
+async def _default_resolve(host: str, port: int) -> list[IPAddress]:
+    infos = await _in_daemon_thread(lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
     out: list[IPAddress] = []
     for _family, _type, _proto, _canon, sockaddr in infos:
         try:
@@ -204,6 +240,8 @@ class EgressProxy:
         connect_timeout: float = 10.0,
         keep_denials: int = 50,
         handshake_timeout: float = 10.0,
+        max_lookups: int = MAX_LOOKUPS,
+        lookup_timeout: float = LOOKUP_TIMEOUT,
     ) -> None:
         self._decide = decide
         self._screen = screen or (lambda _host, _port: None)
@@ -215,6 +253,10 @@ class EgressProxy:
         self._handshakes: dict[asyncio.Task, asyncio.TimerHandle] = {}
         self.connect_timeout = connect_timeout
         self.handshake_timeout = handshake_timeout
+        self.max_lookups = max_lookups
+        self.lookup_timeout = lookup_timeout
+        self._lookups: set[asyncio.Task] = set()  # lookups whose resolver has not returned yet
+        self.refused_lookups = 0  # connections refused because max_lookups were unanswered
         self.denials: collections.deque[Denial] = collections.deque(maxlen=keep_denials)
         self.denied_count = 0
         self.refusal_log = RefusalLog()
@@ -329,13 +371,10 @@ class EgressProxy:
                 raise _Denied(refusal.reason)
             addrs = []
             try:
-                resolved = await asyncio.wait_for(self._resolve(hostname, port), self.connect_timeout)
-                for a in resolved:
+                for a in await self._lookup(hostname, port):
                     a = _normalize(ipaddress.ip_address(a))
                     if a not in addrs:
                         addrs.append(a)
-            except asyncio.TimeoutError:
-                raise _Unreachable(f"resolving {hostname} timed out", SOCKS_TTL_EXPIRED) from None
             except (OSError, UnicodeError, ValueError, TypeError) as exc:
                 raise _Unreachable(f"cannot resolve {hostname}: {exc}", SOCKS_HOST_UNREACHABLE) from None
             if not addrs:
@@ -354,6 +393,28 @@ class EgressProxy:
             raise _Denied(reason)
         self.allowed_count += 1
         return hostname, allowed
+
+    async def _lookup(self, hostname: str, port: int) -> list[IPAddress]:
+        """The resolver's answer for hostname, within the sandbox's lookup budget (see the
+        module docstring). A lookup given up on runs on, and counts, until it returns."""
+        if len(self._lookups) >= self.max_lookups:
+            self.refused_lookups += 1
+            if self.refused_lookups == 1:
+                log.warning("a sandbox has %d name lookups unanswered: refusing more", self.max_lookups)
+            raise _Unreachable(f"not resolved: {self.max_lookups} earlier name lookups of this sandbox "
+                               "are still unanswered (try again later)", SOCKS_HOST_UNREACHABLE)
+        lookup = asyncio.ensure_future(self._resolve(hostname, port))
+        self._lookups.add(lookup)
+        lookup.add_done_callback(self._lookup_done)
+        done, _ = await asyncio.wait({lookup}, timeout=self.lookup_timeout)
+        if not done:
+            raise _Unreachable(f"resolving {hostname} timed out", SOCKS_TTL_EXPIRED)
+        return lookup.result()
+
+    def _lookup_done(self, lookup: asyncio.Task) -> None:
+        self._lookups.discard(lookup)
+        if not lookup.cancelled():
+            lookup.exception()  # retrieved: a late failure nobody awaits is no error to log
 
     async def _connect(self, addr: IPAddress, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """Open the upstream connection to exactly this (already allowed) address."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import resource
@@ -18,7 +19,8 @@ import shutil
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -60,6 +62,10 @@ SHAPES = [Shape(id=f"s-{cpu}vcpu-{label}", vcpu=cpu, mem_mib=mib, default_disk_m
 ADJECTIVES = ("brave", "calm", "eager", "fond", "keen", "lucid", "merry", "quiet", "swift", "wise")
 ANIMALS = ("otter", "heron", "lynx", "marten", "newt", "puffin", "stoat", "tapir", "vole", "wren")
 KEEP_DESTROYED = 200
+# Threads for the engine's own blocking work (freezer, disk image, file removal), apart
+# from asyncio's default executor so no library's use of that can hold up pauses or
+# destroys; each sandbox uses at most one of them at a time (Engine._blocking).
+ENGINE_WORK_THREADS = 16
 # Open files per process in a sandbox (soft, hard): the common defaults, whatever the engine
 # has, and a sandbox cannot raise them. The engine raises its own soft limit to its hard
 # one, since all sandboxes' egress connections and execs share its descriptors.
@@ -309,6 +315,8 @@ class LocalSandbox:
     last_activity: float = field(default_factory=time.monotonic)
     active_execs: int = 0
     agent_connections: AgentConnections = field(default_factory=AgentConnections)
+    # Held while one of the engine's threads works for this sandbox (Engine._blocking).
+    blocking_work: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def limits(self) -> Limits:
@@ -387,10 +395,18 @@ class Engine:
         self.api_addresses: list[tuple[str, int]] = []
         self._fallback: Freezer | None = None  # for a sandbox the freezer could not attach
         self._background: set[asyncio.Task] = set()  # self-deletions under way
+        self._work = ThreadPoolExecutor(ENGINE_WORK_THREADS, thread_name_prefix="engine-work")
         self.closing = False  # set on shutdown: no new sandboxes, running commands say why they end
 
     def touch(self) -> None:
         self.last_activity = time.monotonic()
+
+    async def _blocking(self, sandbox: LocalSandbox, work: Callable[..., object], *args: object) -> object:
+        """work(*args) in one of the engine's own threads, one call at a time per sandbox:
+        however slow one sandbox's work is (a freeze waiting out its timeout, a huge file
+        tree to remove), it holds one thread, and other sandboxes' pauses and destroys go on."""
+        async with sandbox.blocking_work:
+            return await asyncio.get_running_loop().run_in_executor(self._work, functools.partial(work, *args))
 
     @property
     def live_count(self) -> int:
@@ -497,14 +513,14 @@ class Engine:
             sandbox.host_user.give(sandbox.dirs.workspace, sandbox.dirs.tmp)
         image = sandbox.dirs.root / "disk.img"
         if self.disk_capped:
-            await asyncio.to_thread(disk.create, image, sandbox.dirs.volume, sandbox.disk_mib)
+            await self._blocking(sandbox, disk.create, image, sandbox.dirs.volume, sandbox.disk_mib)
         listener = self._agent_listener(sandbox.dirs)
         seccomp_fd = seccomp.program_fd()
         handover = Handover(stage=sandbox.host_user is not None)
         args_read, args_write = os.pipe()
         try:
             arguments = "\0".join(bwrap_arguments(
-                sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd, handover,
+                sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd, handover, sandbox.limits.shm_mib,
                 self.limiter.rlimits(sandbox.limits), packages=local_rootfs(sandbox.rootfs) == HOST_PYTHON)) + "\0"
             command = launch_command(handover.reachable(self.bwrap), args_read, listener.fileno())
             if sandbox.host_user:
@@ -642,7 +658,7 @@ class Engine:
                 sandbox.freezer.detach(sandbox.frozen, family.keepers)
                 if sandbox.limited:
                     sandbox.limited.move(family.keepers)
-            await asyncio.to_thread(sandbox.freezer.kill, sandbox.frozen)
+            await self._blocking(sandbox, sandbox.freezer.kill, sandbox.frozen)
         if last and family and family.process.returncode is None:
             # bwrap has no --die-with-parent (sandboxes outlive the engine), so its init
             # (read as bwrap's child while bwrap still runs) does not die with it.
@@ -652,12 +668,12 @@ class Engine:
             family.process.kill()
             await family.process.wait()
         if sandbox.freezer and sandbox.frozen:
-            await asyncio.to_thread(sandbox.freezer.release, sandbox.frozen)
+            await self._blocking(sandbox, sandbox.freezer.release, sandbox.frozen)
             sandbox.frozen = None
         if sandbox.limited:
-            await asyncio.to_thread(sandbox.limited.release)
+            await self._blocking(sandbox, sandbox.limited.release)
             sandbox.limited = None
-        await asyncio.to_thread(shutil.rmtree, sandbox.dirs.root, True)
+        await self._blocking(sandbox, shutil.rmtree, sandbox.dirs.root, True)
 
     def _save(self, sandbox: LocalSandbox) -> None:
         if sandbox.family is not None and sandbox.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED):
@@ -827,7 +843,7 @@ class Engine:
         started = time.monotonic()
         child.dirs.root.mkdir(mode=0o700)  # so an engine restart finds what it left
         try:
-            await asyncio.to_thread(source.freezer.thaw, source.frozen)
+            await self._blocking(source, source.freezer.thaw, source.frozen)
             try:
                 reply = await source.agent.fork(hostname="sandbox",
                                                 disk_mib=child.disk_mib,
@@ -837,12 +853,12 @@ class Engine:
                 source.family.check_fork_members(agent_pid, followers)
                 self._attach(child, agent_pid, *followers)
             finally:
-                await asyncio.to_thread(source.freezer.freeze, source.frozen)
+                await self._blocking(source, source.freezer.freeze, source.frozen)
             child.agent_dir = Path(f"/proc/{agent_pid}/root") / AGENT_DIR.lstrip("/")
             await self._wait_for_agent(child)
             self._open_gate(child)
             if start_paused:
-                await asyncio.to_thread(child.freezer.freeze, child.frozen)
+                await self._blocking(child, child.freezer.freeze, child.frozen)
                 child.paused_at = time.time()
         except Exception as exc:  # noqa: BLE001 - reported as the child's state
             log.warning("fork of %s failed: %s", source.id, exc)
@@ -910,7 +926,7 @@ class Engine:
     async def _freeze(self, sandbox: LocalSandbox) -> None:
         assert sandbox.freezer and sandbox.frozen
         try:
-            await asyncio.to_thread(sandbox.freezer.freeze, sandbox.frozen)
+            await self._blocking(sandbox, sandbox.freezer.freeze, sandbox.frozen)
         except Exception as exc:  # noqa: BLE001 - the freezer thawed it again
             log.warning("sandbox %s could not be paused: %s", sandbox.id, exc)
             if sandbox.status == SandboxStatus.PAUSING:
@@ -925,7 +941,7 @@ class Engine:
     async def _thaw(self, sandbox: LocalSandbox) -> None:
         assert sandbox.freezer and sandbox.frozen
         try:
-            await asyncio.to_thread(sandbox.freezer.thaw, sandbox.frozen)
+            await self._blocking(sandbox, sandbox.freezer.thaw, sandbox.frozen)
         except Exception as exc:  # noqa: BLE001
             log.warning("sandbox %s could not be resumed: %s", sandbox.id, exc)
             if sandbox.status == SandboxStatus.RESUMING:

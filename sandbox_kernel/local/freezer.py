@@ -7,9 +7,12 @@ really works on this host, in that order):
 - cgroup v2: a child cgroup per sandbox under a writable (delegated) cgroup, frozen with
   `cgroup.freeze`; frozen once `cgroup.events` says `frozen 1`.
 - cgroup v1: `/sys/fs/cgroup/freezer/sandbox-kernel/<id>`, `freezer.state` = FROZEN.
-- signal: SIGSTOP to the bwrap process and every descendant (rescanned until no new
-  process appears), SIGCONT to resume. Works anywhere, but a process that the sandbox
-  stopped itself is continued on resume.
+- signal: SIGSTOP to every process of the sandbox (rescanned until no new process
+  appears), SIGCONT to resume. Works anywhere, but a process that the sandbox stopped
+  itself is continued on resume. A sandbox's processes are bwrap's descendants by parent
+  pid, and every process whose user namespace is the sandbox's or nested in it: an orphan
+  (a double fork) is re-parented to the pid namespace's init, which a fork shares with its
+  source, so parent links alone would lose a fork's orphans (or give them to the source).
 
 `attach` must be called with the bwrap pid before bwrap reads its options (it blocks on
 the options pipe), so every process the sandbox ever creates is inside its cgroup.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import signal
@@ -52,6 +56,8 @@ class Handle:
     more: tuple[int, ...] = ()  # further roots (e.g. the processes of a fork)
     stopped: set[int] = field(default_factory=set)
     spared: set[int] = field(default_factory=set)  # detached: no longer this sandbox's
+    # signal freezer: the user namespace the sandbox's processes live in (its inode), once seen
+    userns: int | None = None
 
 
 class Freezer:
@@ -373,24 +379,104 @@ def descendants(roots: "int | tuple[int, ...]", table: dict[int, tuple[int, str]
     return found
 
 
+NS_GET_PARENT = 0xB702  # ioctl on a namespace fd: an fd of its parent user namespace
+MAX_USERNS_DEPTH = 33  # the kernel nests user namespaces 32 deep at most
+
+
+def _userns(pid: int) -> int | None:
+    """The inode of pid's user namespace (None: gone, or not ours to inspect)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/user").st_ino
+    except OSError:
+        return None
+
+
+def _userns_owner(pid: int, owners: dict[int, Handle], own: int) -> Handle | None:
+    """The handle whose user namespace pid's is, or the nearest one it is nested in. A
+    process can only ever enter user namespaces nested in its own (it has no rights in
+    any other), so no process of a sandbox can leave the sandbox's this way."""
+    try:
+        fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        for _ in range(MAX_USERNS_DEPTH):
+            inode = os.fstat(fd).st_ino
+            if inode in owners:
+                return owners[inode]
+            if inode == own:
+                return None
+            try:
+                parent = fcntl.ioctl(fd, NS_GET_PARENT)
+            except OSError:  # the top, or a namespace outside ours
+                return None
+            os.close(fd)
+            fd = parent
+        return None
+    finally:
+        os.close(fd)
+
+
 class SignalFreezer(Freezer):
     name = "signal"
 
     def __init__(self) -> None:
         self.handles: dict[str, Handle] = {}
+        self.own_userns = _userns(os.getpid())
 
     def describe(self) -> str:
-        return "SIGSTOP/SIGCONT of the sandbox's process tree"
+        return "SIGSTOP/SIGCONT of the sandbox's processes"
 
     def attach(self, sandbox_id: str, pid: int, *more: int) -> Handle:
         handle = Handle(sandbox_id, pid, more=more)
         self.handles[sandbox_id] = handle
         return handle
 
+    def _note_userns(self, handle: Handle, table: dict[int, tuple[int, str]], others: frozenset[int]) -> None:
+        """The first process down the sandbox's tree (breadth first) in a user namespace
+        other than the engine's: bwrap's init for the first sandbox of a container, the
+        fork's agent for a fork. Namespaces, once seen, are kept: init and the agent live
+        as long as the sandbox."""
+        level = [handle.pid, *handle.more]
+        seen: set[int] = set()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        while level and handle.userns is None:
+            for pid in level:
+                inode = _userns(pid)
+                if inode is not None and inode != self.own_userns:
+                    handle.userns = inode
+                    return
+            seen.update(level)
+            level = [c for pid in level for c in children.get(pid, ()) if c not in seen and c not in others]
+
     def _tree(self, handle: Handle, table: dict[int, tuple[int, str]] | None = None) -> set[int]:
-        others = frozenset(p for h in self.handles.values() if h is not handle
-                           for p in (h.pid, *h.more))
-        return descendants((handle.pid, *handle.more), table, others) - handle.spared
+        """Every process of the sandbox now: its tree by parent pid, less the processes
+        whose user namespace is another sandbox's (a fork's orphans, adopted by the
+        source's init), plus every process whose user namespace is this sandbox's."""
+        table = table if table is not None else _process_table()
+        self.handles.setdefault(handle.sandbox_id, handle)  # one an earlier engine made
+        handles = list(self.handles.values())  # (other threads attach and release)
+        roots = {h.sandbox_id: frozenset((h.pid, *h.more)) for h in handles}
+        for each in handles:
+            if each.userns is None:
+                others = frozenset().union(*(r for i, r in roots.items() if i != each.sandbox_id))
+                self._note_userns(each, table, others)
+        owners = {h.userns: h for h in handles if h.userns is not None}
+        members: set[int] = set()
+        foreign: set[int] = set()
+        for pid in table:
+            if _userns(pid) in (None, self.own_userns):
+                continue
+            owner = _userns_owner(pid, owners, self.own_userns or 0)
+            if owner is handle:
+                members.add(pid)
+            elif owner is not None:
+                foreign.add(pid)
+        others = frozenset().union(*(r for i, r in roots.items() if i != handle.sandbox_id))
+        tree = descendants((handle.pid, *handle.more), table, others) - foreign
+        return (tree | members) - handle.spared
 
     def detach(self, handle: Handle, pids: set[int]) -> None:
         handle.spared |= pids

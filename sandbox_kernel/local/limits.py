@@ -56,6 +56,14 @@ class Limits:
     disk_mib: int
     pids: int = PIDS_MAX
 
+    @property
+    def shm_mib(self) -> int:
+        """The size of the sandbox's /dev/shm: half its memory, as a Linux VM of that size
+        gets by default. Its pages are memory no rlimit counts (RLIMIT_DATA is per
+        process and counts no shared memory), so without a memory cgroup this cap is the
+        only bound on them; with one, they are charged to the sandbox as well."""
+        return max(1, self.mem_mib // 2)
+
 
 def _v1_mount(controller: str) -> Path | None:
     """Where the cgroup v1 hierarchy carrying `controller` is mounted (co-mounts included)."""

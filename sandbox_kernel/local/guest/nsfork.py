@@ -151,9 +151,13 @@ def _build_root(new_root: str, agent_dir: str) -> None:
         elif os.path.isdir(source):
             os.mkdir(target)
             _bind_read_only(source, target)
-    # Private /dev/shm and /dev/pts: the source's would be shared with it.
+    # Private /dev/shm and /dev/pts: the source's would be shared with it. /dev/shm is as
+    # big as the source's (the engine sized that to the shape's memory): an unsized tmpfs
+    # could take half the host's memory, which no rlimit counts.
     dev = os.path.join(new_root, "dev")
-    _mount("tmpfs", os.path.join(dev, "shm"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    shm = os.statvfs("/dev/shm")
+    _mount("tmpfs", os.path.join(dev, "shm"), "tmpfs", MS_NOSUID | MS_NODEV,
+           "size=%d,mode=1777" % (shm.f_blocks * shm.f_frsize))
     _mount("devpts", os.path.join(dev, "pts"), "devpts", MS_NOSUID | MS_NOEXEC,
            "newinstance,ptmxmode=0666,mode=620")
 
