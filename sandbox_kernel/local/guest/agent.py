@@ -44,7 +44,15 @@ as CreateOS does when a client abandons an exec.
 
 from __future__ import annotations
 
-import asyncio
+import ctypes
+
+# Before anything else, the imports included: an agent starts dumpable (exec makes it so)
+# while it already holds its listening socket, and a dumpable process is open to the
+# sandbox's code (see set_dumpable). A fork's agent starts while that code runs.
+if __name__ == "__main__" and ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+    raise SystemExit("agent: prctl(PR_SET_DUMPABLE) failed")
+
+import asyncio  # noqa: E402 - after the line above
 import codecs
 import contextlib
 import errno
@@ -605,8 +613,6 @@ def set_dumpable(dumpable: bool) -> None:
     /proc/PID/mem, environ, root and fds are closed to processes without CAP_SYS_PTRACE
     over it, which no process of the sandbox has (the dumpable flag is reset on exec, so
     the commands the agent starts are not affected)."""
-    import ctypes
-
     PR_SET_DUMPABLE = 4
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, int(dumpable), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
@@ -616,7 +622,6 @@ def main(argv: list) -> int:
     if len(argv) != 4:
         sys.stderr.write("usage: agent.py SOCKET WORKDIR LISTEN_FD\n")
         return 2
-    set_dumpable(False)
     apply_rlimits()
     os.umask(0o022)  # the engine's is 077; files made in the sandbox get the usual modes
     asyncio.run(serve(argv[1], argv[2], int(argv[3])))
