@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -145,11 +146,16 @@ class AgentClient:
         async with self.connection({"op": "ping"}) as (reader, _):
             return await self._reply(reader)
 
-    async def fork(self, hostname: str, disk_mib: int, env: dict[str, str]) -> dict:
-        """Make a new sandbox from this one: {"pid": its agent, "followers": [runner, ...]}
-        (pids as seen inside the sandboxes' shared pid namespace)."""
+    async def fork(self, hostname: str, disk_mib: int, env: dict[str, str], listener: socket.socket) -> dict:
+        """Make a new sandbox from this one, whose agent serves `listener` (the engine bound
+        it): {"pid": its agent, "followers": [runner, ...]} (pids as seen inside the
+        sandboxes' shared pid namespace). The listener follows the request once the agent
+        says it reads it (as ancillary data, which a plain read would drop)."""
         request = {"op": "fork", "hostname": hostname, "disk_mib": disk_mib, "env": env}
-        async with self.connection(request) as (reader, _):
+        async with self.connection(request) as (reader, writer):
+            await self._reply(reader)  # {"ok": true}: ready for the listener
+            with socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno())) as raw:
+                socket.send_fds(raw, [b"L"], [listener.fileno()])  # one byte: the buffer is empty
             return await self._reply(reader)
 
     async def exec(self, cmd: str, args: list[str], env: dict[str, str],

@@ -51,8 +51,8 @@ class BwrapNotFound(RuntimeError):
 def launch_command(bwrap: str, args_fd: int, listen_fd: int) -> list[str]:
     """bwrap reads its options from args_fd, so the sandbox's PID 1 (bwrap itself) shows
     processes inside only this short command line, not host paths. The agent serves the
-    socket inherited as listen_fd (bound by the engine in the sandbox's host agent dir;
-    AGENT_SOCKET is where a fork's agent binds its own, see nsfork.sealed_listener)."""
+    socket inherited as listen_fd, bound by the engine in the sandbox's host agent dir (a
+    fork's agent gets one bound there too); AGENT_DIR inside stays empty and read-only."""
     return [bwrap, "--args", str(args_fd),
             sys.executable, "-I", "-S", AGENT_SCRIPT, AGENT_SOCKET, WORKSPACE, str(listen_fd)]
 

@@ -42,7 +42,7 @@ from .signal_relay import SignalRelay
 from . import disk, registry, seccomp
 from .access_tokens import AccessToken, digest
 from .catalog import HOST_PYTHON, UnknownRootfs, local_rootfs
-from .bwrap import AGENT_DIR, STAGE, Handover, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
+from .bwrap import STAGE, Handover, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
 from .hostuser import HostUser, allocate as allocate_host_user, needs_own_user
 from .freezer import CgroupV2Freezer, Freezer, Handle, SignalFreezer, select as select_freezer
 from .limits import Applied, Limits, select as select_limiter
@@ -299,9 +299,6 @@ class LocalSandbox:
     last_resumed_at: float | None = None
     family: Family | None = None
     forked_from: str | None = None
-    # Where the engine reaches the agent: the host dir bound at AGENT_DIR for the first
-    # sandbox of a family, /proc/<agent>/root/... for a fork (its root exists only inside).
-    agent_dir: Path | None = None
     gate: EgressGate | None = None  # its way out (started once it runs)
     signals: SignalRelay | None = None  # its requests to pause or delete itself (§9)
     # Pausing: which freezer holds this sandbox's processes, and the pause/resume in flight.
@@ -324,7 +321,9 @@ class LocalSandbox:
 
     @property
     def agent(self) -> AgentClient:
-        return AgentClient(self.agent_dir or self.dirs.agent, self.agent_connections)
+        # Always the socket the engine bound in the sandbox's own host dir (a fork's too):
+        # never a path inside a sandbox, where its code decides what a path leads to.
+        return AgentClient(self.dirs.agent, self.agent_connections)
 
     def view(self) -> SandboxView:
         return SandboxView(
@@ -351,7 +350,7 @@ class LocalSandbox:
             "disk_mib": self.disk_mib, "rootfs": self.rootfs, "status": self.status.value,
             "created_at": self.created_at, "running_at": self.running_at, "spawn_ms": self.spawn_ms,
             "paused_at": self.paused_at, "last_resumed_at": self.last_resumed_at,
-            "forked_from": self.forked_from, "agent_dir": str(self.agent_dir) if self.agent_dir else None,
+            "forked_from": self.forked_from,
             "host_user": self.host_user.uid if self.host_user else None,
             "access_token": token and {"hashed": token.hashed.hex(), "hint": token.hint,
                                        "created_at": token.created_at, "rotated_at": token.rotated_at,
@@ -560,9 +559,10 @@ class Engine:
 
     @staticmethod
     def _agent_listener(dirs: SandboxDirs) -> socket.socket:
-        """The agent's listening socket, made here and inherited by the agent: its directory
-        is on the host, out of the sandbox's reach, so sandboxed code cannot swap in a
-        socket of its own."""
+        """The agent's listening socket, made here and handed to the agent (a founder's
+        inherits it from bwrap, a fork's comes with the fork request): its directory is on
+        the host, out of every sandbox's reach, so no sandboxed code can swap in a socket
+        or a symlink of its own, and the engine follows no path a sandbox can write."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         dir_fd = os.open(dirs.agent, os.O_PATH)  # as AgentClient: past the sun_path limit
         try:
@@ -695,6 +695,11 @@ class Engine:
                     founder=kin["founder"], console=None, keepers=set(kin["keepers"]))
             family.members.add(record["id"])
             status = SandboxStatus(record["status"])
+            if record.get("agent_dir"):  # a fork made by an engine that reached its agent
+                # inside the fork, where the sandbox's code decides where that path leads
+                log.warning("sandbox %s: its agent cannot be reached safely (made by an older "
+                            "engine): marked error", record["id"])
+                status = SandboxStatus.ERROR
             sandbox = LocalSandbox(
                 id=record["id"], name=record["name"], shape=shape,
                 dirs=SandboxDirs(self.sandbox_root / record["id"]), envs=record["envs"],
@@ -706,7 +711,6 @@ class Engine:
                 spawn_ms=record["spawn_ms"], paused_at=record["paused_at"],
                 last_resumed_at=record["last_resumed_at"], family=family,
                 forked_from=record["forked_from"],
-                agent_dir=Path(record["agent_dir"]) if record["agent_dir"] else None,
                 host_user=HostUser(record["host_user"]) if record.get("host_user") is not None else None)
             if token := record.get("access_token"):
                 sandbox.access_token = AccessToken(**{**token, "hashed": bytes.fromhex(token["hashed"])})
@@ -725,9 +729,11 @@ class Engine:
             log.info("took over %d sandboxes a previous engine left", len(self.sandboxes))
         return set(self.sandboxes)
 
-    async def start_adopted(self) -> None:
-        """Once the event loop runs: egress gates, watchers and auto-pause for the
-        sandboxes taken over (their idle time counts from now)."""
+    async def start_adopted(self, api_addresses: list[tuple[str, int]]) -> None:
+        """Once the event loop runs and the API listens at `api_addresses`: egress gates,
+        watchers and auto-pause for the sandboxes taken over (their idle time counts from
+        now). The addresses come first: each gate closes their ports as it opens."""
+        self.api_addresses = list(api_addresses)
         watched = set()
         for sandbox in self.sandboxes.values():
             if sandbox.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED):
@@ -842,19 +848,22 @@ class Engine:
         assert source.freezer and source.frozen and source.family
         started = time.monotonic()
         child.dirs.root.mkdir(mode=0o700)  # so an engine restart finds what it left
+        child.dirs.agent.mkdir(mode=0o700)
         try:
-            await self._blocking(source, source.freezer.thaw, source.frozen)
-            try:
-                reply = await source.agent.fork(hostname="sandbox",
-                                                disk_mib=child.disk_mib,
-                                                env={"SANDBOX_ID": child.id})
-                agent_pid = source.family.host_pid(reply["pid"])
-                followers = [source.family.host_pid(pid) for pid in reply["followers"]]
-                source.family.check_fork_members(agent_pid, followers)
-                self._attach(child, agent_pid, *followers)
-            finally:
-                await self._blocking(source, source.freezer.freeze, source.frozen)
-            child.agent_dir = Path(f"/proc/{agent_pid}/root") / AGENT_DIR.lstrip("/")
+            # The child's agent serves a socket bound here, handed over with the request:
+            # the engine reaches it as it reaches a founder's, in a host dir of its own.
+            with self._agent_listener(child.dirs) as listener:  # the child's agent keeps its own copy
+                await self._blocking(source, source.freezer.thaw, source.frozen)
+                try:
+                    reply = await source.agent.fork(hostname="sandbox",
+                                                    disk_mib=child.disk_mib,
+                                                    env={"SANDBOX_ID": child.id}, listener=listener)
+                    agent_pid = source.family.host_pid(reply["pid"])
+                    followers = [source.family.host_pid(pid) for pid in reply["followers"]]
+                    source.family.check_fork_members(agent_pid, followers)
+                    self._attach(child, agent_pid, *followers)
+                finally:
+                    await self._blocking(source, source.freezer.freeze, source.frozen)
             await self._wait_for_agent(child)
             self._open_gate(child)
             if start_paused:

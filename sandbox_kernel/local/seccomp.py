@@ -21,6 +21,10 @@ and closes the ones a user namespace does not:
 - ptrace, process_vm_readv, process_vm_writev, kcmp: a fork and its source run as the
   same user in one pid namespace, so without this one could read and write the other's
   memory. Debuggers (gdb, strace, py-spy) do not work in a sandbox because of it;
+- pidfd_getfd (copying another process's descriptor): a child the agent spawns holds
+  the agent's descriptors until it execs, so a sandbox's code could take the agent's
+  listening socket from it and answer the engine in the agent's place (the agent also
+  closes its sockets in the child first, agent.py);
 - what Docker's default profile also denies: name_to_handle_at (the other half of
   open_by_handle_at), move_pages, get_mempolicy and set_mempolicy (NUMA placement: libnuma
   reads EPERM as "no NUMA", nothing in a sandbox needs it), open_tree and mount_setattr
@@ -68,7 +72,7 @@ BLOCKED = (
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
     "add_key", "request_key", "keyctl",
     "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "open_by_handle_at", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+    "open_by_handle_at", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
     "name_to_handle_at", "move_pages", "get_mempolicy", "set_mempolicy", "open_tree",
     "fsconfig", "mount_setattr", "sysfs", "ustat",
 )
@@ -87,7 +91,7 @@ ARCHITECTURES: dict[str, tuple[int, dict[str, int]]] = {
         "io_uring_enter": 426, "io_uring_register": 427,
         "ustat": 136, "sysfs": 139, "set_mempolicy": 238, "get_mempolicy": 239,
         "move_pages": 279, "name_to_handle_at": 303, "open_tree": 428, "fsconfig": 431,
-        "mount_setattr": 442}),
+        "mount_setattr": 442, "pidfd_getfd": 438}),
     "aarch64": (0xC00000B7, {
         "lookup_dcookie": 18, "ioctl": 29, "vhangup": 58, "quotactl": 60, "acct": 89,
         "personality": 92, "kexec_load": 104, "init_module": 105, "delete_module": 106,
@@ -99,7 +103,7 @@ ARCHITECTURES: dict[str, tuple[int, dict[str, int]]] = {
         "userfaultfd": 282, "kexec_file_load": 294, "io_uring_setup": 425,
         "io_uring_enter": 426, "io_uring_register": 427,
         "get_mempolicy": 236, "set_mempolicy": 237, "move_pages": 239, "name_to_handle_at": 264,
-        "open_tree": 428, "fsconfig": 431, "mount_setattr": 442}),  # no sysfs, ustat here
+        "open_tree": 428, "fsconfig": 431, "mount_setattr": 442, "pidfd_getfd": 438}),  # no sysfs, ustat here
 }
 
 

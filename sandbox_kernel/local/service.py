@@ -226,9 +226,11 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     bound_if_redirected(state_dir / LOG_FILE)
     token = load_or_create_token(state_dir)
     engine = Engine(state_dir)
-    await engine.start_adopted()
-    app = create_app(engine, token)
     tcp = _listen_tcp(host, port)
+    bound_host, bound_port = tcp.getsockname()[:2]
+    # Known before any sandbox's egress opens, adopted ones included: no rule may open them.
+    await engine.start_adopted(api_addresses=[(bound_host, bound_port)])
+    app = create_app(engine, token)
     unix = _listen_unix(state_dir / SOCKET_FILE)
     sockets = [s for s in (tcp, unix) if s is not None]
     # Idle keep-alive connections are kept well past the 5 s after which httpx (the vendor
@@ -237,8 +239,6 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     server = EngineServer(engine, uvicorn.Config(app, log_level="warning", access_log=False,
                                                  timeout_graceful_shutdown=5,
                                                  timeout_keep_alive=KEEP_ALIVE_SECONDS))
-    bound_host, bound_port = tcp.getsockname()[:2]
-    engine.api_addresses.append((bound_host, bound_port))
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
 
     async def announce_and_watch_idle() -> None:

@@ -44,8 +44,17 @@ as CreateOS does when a client abandons an exec.
 
 from __future__ import annotations
 
-import asyncio
+import ctypes
+
+# Before anything else, the imports included: an agent starts dumpable (exec makes it so)
+# while it already holds its listening socket, and a dumpable process is open to the
+# sandbox's code (see set_dumpable). A fork's agent starts while that code runs.
+if __name__ == "__main__" and ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+    raise SystemExit("agent: prctl(PR_SET_DUMPABLE) failed")
+
+import asyncio  # noqa: E402 - after the line above
 import codecs
+import contextlib
 import errno
 import json
 import os
@@ -238,12 +247,16 @@ class Agent:
 
     async def fork(self, request: dict, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
+        listener = await receive_listener(writer)
         ready_read, ready_write = os.pipe()  # close-on-exec: EOF once the child execs
-        pid = os.fork()
-        if pid == 0:
-            os.close(ready_read)
-            self._become_fork(request, ready_write)  # never returns
-        os.close(ready_write)
+        try:
+            pid = os.fork()
+            if pid == 0:
+                os.close(ready_read)
+                self._become_fork(request, ready_write, listener)  # never returns
+        finally:
+            os.close(ready_write)
+            os.close(listener)  # the new agent has it now
         threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True).start()  # reap it later
         report = await loop.run_in_executor(None, read_to_end, ready_read)
         if report:
@@ -262,16 +275,18 @@ class Agent:
                 return
         writer.write(frame({"ok": True, "pid": pid, "followers": followers}))
 
-    def _become_fork(self, request: dict, ready: int) -> None:
-        """In the forked child: set up the new sandbox, then exec a fresh agent in it."""
+    def _become_fork(self, request: dict, ready: int, listener: int) -> None:
+        """In the forked child: set up the new sandbox, then exec a fresh agent in it that
+        serves `listener`. Everything else this copy of the agent holds (its own listener,
+        the engine's connections) is closed first: nsfork makes it dumpable for a moment,
+        and a dumpable process's descriptors are open to the sandbox's code."""
         try:
-            from nsfork import become_sandbox, sealed_listener
-
-            set_dumpable(True)  # its /proc/self (uid_map...) must be its own to write
+            close_all_but(ready, listener)
+            from nsfork import become_sandbox
 
             become_sandbox(str(request.get("hostname") or "sandbox"), int(request["disk_mib"]),
                            os.path.dirname(self.socket_path), self.workdir)
-            listener = sealed_listener(self.socket_path)
+            os.set_inheritable(listener, True)
             os.environ.update(request.get("env") or {})
             os.execv(sys.executable, [sys.executable, "-I", "-S", os.path.abspath(__file__),
                                       self.socket_path, self.workdir, str(listener)])
@@ -444,6 +459,44 @@ async def feed_stdin(pipe: asyncio.StreamWriter, data: bytes) -> None:
         pass
 
 
+async def receive_listener(writer: asyncio.StreamWriter) -> int:
+    """The listening socket the engine sends for a fork's agent, as ancillary data on a
+    byte after the request. asyncio must not read that byte (its plain read would drop the
+    descriptor): reading stops before the engine is told to send it."""
+    writer.transport.pause_reading()
+    writer.write(frame({"ok": True}))
+    await writer.drain()
+    fd = os.dup(writer.get_extra_info("socket").fileno())
+    with socket.socket(fileno=fd) as connection:
+        connection.settimeout(ATTACH_TIMEOUT)
+        _, fds, _, _ = await asyncio.to_thread(socket.recv_fds, connection, 1, 1)
+    if len(fds) != 1:
+        for extra in fds:
+            os.close(extra)
+        raise ValueError("the fork request came without its listening socket")
+    return fds[0]
+
+
+def close_all_but(*kept: int) -> None:
+    """Close every descriptor above stderr except `kept`."""
+    low = 3
+    for fd in sorted(kept):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+
+
+def close_sockets() -> None:
+    """Close the sockets above stderr of this process (a child of the agent, before exec):
+    the agent's listener and its connections to the engine, which a command must never
+    hold. CPython's own pipe that reports a failed exec stays open."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        with contextlib.suppress(OSError):  # (the listing's own descriptor is gone by now)
+            if fd > 2 and stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.close(fd)
+
+
 def read_to_end(fd: int) -> str:
     with os.fdopen(fd, "rb") as pipe:
         return pipe.read().decode(errors="replace").strip()
@@ -497,7 +550,10 @@ def oom_killer_goes_here_first() -> None:
     must take the user's processes (this one and all it starts inherit the value), never
     the agent, which stays at 0 and whose death would end the sandbox. Raising one's own
     oom_score_adj needs no privilege (lowering it below 0 would). The fork of the agent
-    is undumpable like it, so its /proc files are root's until it is dumpable again."""
+    is undumpable like it, so its /proc files are root's until it is dumpable again; and
+    once dumpable, code in the sandbox may copy its descriptors (pidfd_getfd) or write its
+    memory until it execs: the agent's sockets are closed before."""
+    close_sockets()
     set_dumpable(True)
     fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
     try:
@@ -518,10 +574,9 @@ def kill_group(pid: int) -> None:
         pass
 
 
-async def serve(socket_path: str, workdir: str, listen_fd: int | None) -> None:
-    """Serve on the socket the engine bound for us (listen_fd: its directory is read-only
-    here, so nothing in the sandbox can put another socket in its place), or, in a fork,
-    on one made now at socket_path."""
+async def serve(socket_path: str, workdir: str, listen_fd: int) -> None:
+    """Serve on the socket the engine bound for us (listen_fd), in a host directory no
+    sandbox reaches. socket_path names the empty, read-only directory inside."""
     agent = Agent(socket_path, workdir)
     forkable = os.environ.get("SANDBOX_FORKABLE_DIR")
     if forkable:
@@ -530,14 +585,9 @@ async def serve(socket_path: str, workdir: str, listen_fd: int | None) -> None:
     if egress_port:
         await asyncio.start_server(agent.egress_client, "127.0.0.1", int(egress_port))
     await self_signal.serve(agent.signals)
-    if listen_fd is not None:
-        listener = socket.socket(fileno=listen_fd)
-        server = await asyncio.start_unix_server(agent.handle, sock=listener, limit=MAX_HEADER)
-    else:
-        if os.path.exists(socket_path):
-            os.unlink(socket_path)
-        server = await asyncio.start_unix_server(agent.handle, path=socket_path, limit=MAX_HEADER)
-        os.chmod(socket_path, 0o600)
+    listener = socket.socket(fileno=listen_fd)
+    listener.set_inheritable(False)  # no command it starts may hold it
+    server = await asyncio.start_unix_server(agent.handle, sock=listener, limit=MAX_HEADER)
     stop = asyncio.get_running_loop().create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set_result, None)
@@ -563,21 +613,18 @@ def set_dumpable(dumpable: bool) -> None:
     /proc/PID/mem, environ, root and fds are closed to processes without CAP_SYS_PTRACE
     over it, which no process of the sandbox has (the dumpable flag is reset on exec, so
     the commands the agent starts are not affected)."""
-    import ctypes
-
     PR_SET_DUMPABLE = 4
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, int(dumpable), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
 
 
 def main(argv: list) -> int:
-    if len(argv) not in (3, 4):
-        sys.stderr.write("usage: agent.py SOCKET WORKDIR [LISTEN_FD]\n")
+    if len(argv) != 4:
+        sys.stderr.write("usage: agent.py SOCKET WORKDIR LISTEN_FD\n")
         return 2
-    set_dumpable(False)
     apply_rlimits()
     os.umask(0o022)  # the engine's is 077; files made in the sandbox get the usual modes
-    asyncio.run(serve(argv[1], argv[2], int(argv[3]) if len(argv) == 4 else None))
+    asyncio.run(serve(argv[1], argv[2], int(argv[3])))
     return 0
 
 

@@ -34,6 +34,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
 MS_REC, MS_PRIVATE, MS_RELATIME = 16384, 1 << 18, 1 << 21
 MNT_DETACH = 2
+PR_SET_DUMPABLE = 4
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 # statvfs f_flag bits -> the mount flags a remount must keep (locked flags cannot be dropped)
 KEPT_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
@@ -69,14 +70,25 @@ def _write(path: str, text: str) -> None:
         out.write(text)
 
 
+def _set_dumpable(dumpable: bool) -> None:
+    _check(_libc.prctl(PR_SET_DUMPABLE, int(dumpable), 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+
+
 def _enter_namespaces() -> None:
     uid, gid = os.getuid(), os.getgid()
     _check(_libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWIPC),
            "unshare")
     # Keep the same ids inside; setgroups must be denied before an unprivileged gid_map.
-    _write("/proc/self/setgroups", "deny")
-    _write("/proc/self/uid_map", "%d %d 1\n" % (uid, uid))
-    _write("/proc/self/gid_map", "%d %d 1\n" % (gid, gid))
+    # The process (a copy of the undumpable agent) must be dumpable to write these files
+    # of its own: only for as long as that takes, since a dumpable process is open to
+    # the code of the sandbox (its memory, its descriptors: the new agent's listener).
+    _set_dumpable(True)
+    try:
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", "%d %d 1\n" % (uid, uid))
+        _write("/proc/self/gid_map", "%d %d 1\n" % (gid, gid))
+    finally:
+        _set_dumpable(False)
     # Nothing mounted from here on may propagate back into the source sandbox.
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
 
@@ -186,24 +198,12 @@ def become_sandbox(hostname: str, disk_mib: int, agent_dir: str, workdir: str) -
     _pivot(new_root)
     name = hostname.encode()
     _check(_libc.sethostname(name, len(name)), "sethostname")
+    # Empty and read-only, as in the first sandbox of a family: the agent serves a socket
+    # the engine bound on the host, and nothing here can be put in its place.
+    _bind_read_only(agent_dir, agent_dir)
     try:
         os.chdir(workdir)
     except OSError as exc:
         if exc.errno != errno.ENOENT:
             raise
 
-
-def sealed_listener(socket_path: str) -> int:
-    """The new agent's listening socket, bound now; then its directory is made read-only
-    (this process still holds the new user namespace's capabilities, the agent it execs
-    will not), so a command run in the fork cannot put another socket in its place.
-    Returns the socket's fd, inheritable across exec."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(socket_path)
-    os.chmod(socket_path, 0o600)
-    listener.listen(128)
-    directory = os.path.dirname(socket_path)
-    _bind_read_only(directory, directory)
-    fd = listener.detach()
-    os.set_inheritable(fd, True)
-    return fd
