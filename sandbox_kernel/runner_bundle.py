@@ -60,4 +60,4 @@ def own_hash() -> str:
 def runs_this_bundle(info: dict) -> bool:
     """Whether a runner's info (its INFO_FIELD may be missing: an older runner) says it runs
     the bundle this process was started from."""
-    return info.get(INFO_FIELD) == own_hash()
+    return isinstance(info, dict) and info.get(INFO_FIELD) == own_hash()

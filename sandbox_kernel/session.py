@@ -280,9 +280,11 @@ class SandboxSession:
             if not fresh_runner:
                 try:
                     info = await self._exec_request({protocol.OP: protocol.INFO})
-                except SessionError:
+                except (SessionError, ValueError):  # ValueError: an answer that is not JSON
                     info = {}
-                if "python_version" in info:
+                # Anything else than a runner's info (the sandbox's code can replace its
+                # client) is no runner this kernel can drive: a new one is started.
+                if isinstance(info, dict) and "python_version" in info:
                     self.runner_info = info
                     await self._open_channel()
                     return True
