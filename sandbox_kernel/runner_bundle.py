@@ -20,7 +20,7 @@ FILES = ("runner.py", "runner_fork.py", "runner_debug.py", "runner_protocol.py",
 INFO_FIELD = "bundle"
 
 
-def _sha256():  # type: ignore[no-untyped-def]
+def _sha256():
     """SHA-256, preferably the interpreter's built-in one: hashlib's import loads OpenSSL
     (3 ms), which the runner would pay at every start."""
     try:
