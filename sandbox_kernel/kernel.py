@@ -132,6 +132,9 @@ class SandboxKernel(Kernel):
         self.sandbox: SandboxSession | None = None
         self.boot: asyncio.Task[None] | None = None
         self.ready_shown = False  # the opt-in ready line (show_ready), shown once
+        # Started attached to a sandbox whose runner is of another version: its one line,
+        # which the first cell shows (session.other_version_line).
+        self.other_version_line: str | None = None
         self.main_loop: asyncio.AbstractEventLoop | None = None
         self.history = open_history(state_dir() / "history.sqlite")
         # A wait an interrupt may cut short (the sandbox start, a magic's pause or fork):
@@ -187,6 +190,7 @@ class SandboxKernel(Kernel):
         else:
             await self.sandbox.start(attach_to=self.settings.attach_to, fresh_runner=False,
                                      early=early_start.take())
+            self.other_version_line = self.sandbox.other_version_line()
         if self.settings.on_shutdown:
             self.sandbox.on_shutdown = self.settings.on_shutdown
         log.info("%s", self._ready_line())
@@ -213,6 +217,9 @@ class SandboxKernel(Kernel):
         if self.settings and self.settings.show_ready and not self.ready_shown and not silent:
             out.progress(self._ready_line())
             self.ready_shown = True
+        if self.other_version_line and not silent:
+            out.text(self.other_version_line + "\n", name="stderr")
+            self.other_version_line = None
         assert self.sandbox is not None
         return self.sandbox
 

@@ -51,11 +51,13 @@ HELP = """\
                                   drive the copy; N names it for %sandbox attach from any
                                   notebook. Forks are this notebook's: its on-shutdown
                                   policy applies to them, and they pause after 10 min idle
-  %sandbox attach ID|NAME [--destroy-previous] [--fresh]
+  %sandbox attach ID|NAME [--destroy-previous] [--restart-runner]
                                   drive that sandbox from this notebook; the previous one
                                   stays (this notebook's policy still applies to it at
-                                  shutdown) unless --destroy-previous; --fresh starts a new
-                                  Python in it instead of keeping the one running there
+                                  shutdown) unless --destroy-previous; --restart-runner
+                                  (or --fresh) starts this version's Python runner in it
+                                  instead of keeping the one running there and its
+                                  variables (also on the sandbox this notebook drives)
   %sandbox keep [ID|NAME]         hand a sandbox of this notebook (default: the one it
                                   drives) off: shutdown leaves it alone, gc too
   %sandbox cost                   what this notebook's sandboxes (forks included) have cost
@@ -172,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     attach = sub.add_parser("attach", add_help=False)
     attach.add_argument("sandbox_id", metavar="ID|NAME")
     attach.add_argument("--destroy-previous", action="store_true")
-    attach.add_argument("--fresh", action="store_true")
+    attach.add_argument("--restart-runner", "--fresh", dest="restart_runner", action="store_true")
     keep = sub.add_parser("keep", add_help=False)
     keep.add_argument("sandbox_id", metavar="ID|NAME", nargs="?")
     policy = sub.add_parser("on-shutdown", add_help=False)
@@ -365,11 +367,19 @@ class SandboxMagics:
         previous = self.session.sandbox_id
         args.sandbox_id = (await self.session.find(args.sandbox_id)).id
         if args.sandbox_id == previous:
-            raise MagicError(f"%sandbox attach: this notebook already drives {previous}")
+            if not args.restart_runner:
+                raise MagicError(f"%sandbox attach: this notebook already drives {previous}")
+            line = self.out.progress(f"Restarting the Python runner in sandbox {previous}…")
+            await self.session.attach(previous, fresh_runner=True, progress=line)
+            line.update(f"Restarted the Python runner in sandbox {previous}: variables and imports "
+                        "are gone, files are kept")
+            return
         line = self.out.progress(f"Attaching to sandbox {args.sandbox_id}…")
-        kept = await self.session.attach(args.sandbox_id, fresh_runner=args.fresh, progress=line)
+        kept = await self.session.attach(args.sandbox_id, fresh_runner=args.restart_runner, progress=line)
         state = "its Python state kept" if kept else "a fresh Python started"
         line.update(f"This notebook now drives sandbox {args.sandbox_id} ({state})")
+        if other_version := self.session.other_version_line():
+            self.out.text(other_version + "\n")
         if previous and args.destroy_previous:
             await self.session.destroy(previous)
             self.out.text(f"Destroyed the previous sandbox {previous}\n")

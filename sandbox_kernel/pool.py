@@ -4,7 +4,10 @@ With the warm_pool option at N > 0 (SANDBOX_KERNEL_WARM_POOL=N, the config file,
 kernel argument --SandboxKernel.warm_pool=N), a kernel first tries to claim a pool member (a
 sandbox created earlier, its runner already started) and then tops the pool up to N in
 the background. Pools are kept per configuration key (provider, base URL, key identity,
-shape, rootfs, egress rules): a sandbox made for one configuration is never handed to another.
+shape, rootfs, egress rules, and the hash of the runner bundle its members were started
+with): a sandbox made for one configuration, or by another sandbox-kernel version, is never
+handed to another. After an upgrade the pool of the new version fills up from empty; the
+old version's members wait for its kernels, or for `gc` once older than MAX_AGE.
 
 Bookkeeping lives in the state dir, so every kernel of this user on this machine shares
 one pool per key:
@@ -34,7 +37,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import ownership
+from . import ownership, runner_bundle
 from .config import Settings
 from .paths import state_dir, write_private
 
@@ -52,11 +55,13 @@ REFILL_SHUTDOWN_WAIT = 3.0
 
 
 def pool_key(settings: Settings) -> str:
-    """What makes two sandboxes interchangeable, hashed (the API key only as a hash)."""
+    """What makes two sandboxes interchangeable, hashed (the API key only as a hash); the
+    runner bundle's hash too, as a member's runner is started when it is made."""
     identity = [settings.provider, settings.base_url if settings.provider == "createos" else "local",
                 hashlib.sha256((settings.api_key or "").encode()).hexdigest(),
                 settings.shape, settings.rootfs,
-                sorted(settings.egress) if settings.egress is not None else None]
+                sorted(settings.egress) if settings.egress is not None else None,
+                runner_bundle.own_hash()]
     return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
 
 

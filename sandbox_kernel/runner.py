@@ -47,7 +47,8 @@ import os
 import socket
 import sys
 
-import runner_debug  # uploaded next to this file, as are the two below: the debugger
+import runner_bundle  # uploaded next to this file, as are the three below: the bundle's hash
+import runner_debug  # the debugger
 import runner_fork
 import runner_protocol as protocol  # sandbox_kernel/runner_protocol.py
 
@@ -1759,6 +1760,9 @@ class Daemon:
         # before (serve_forever), and requests wait for this (_serve_connection).
         self._built = threading.Event()
         self._use_ipython = os.environ.get(NO_IPYTHON_ENV) != "1" and _importable("IPython")
+        # Hashed at start, before any other kernel can upload a newer bundle over these files:
+        # the kernel tells from it whether this runner is of its own version.
+        self.bundle = runner_bundle.own_hash()
 
     def set_state_dir(self, state_dir: str) -> None:
         self.state_dir = state_dir
@@ -1843,7 +1847,7 @@ class Daemon:
         (threads that run cells with IPython's run_cell, as ipykernel's do). An IPython
         that then fails to start, leaving the plain engine, is the one case where it is wrong."""
         info = {"pid": os.getpid(), "python_version": platform.python_version(),
-                "implementation": platform.python_implementation()}
+                "implementation": platform.python_implementation(), runner_bundle.INFO_FIELD: self.bundle}
         if not self._built.is_set():
             return dict(info, debugger=self._use_ipython and runner_debug.debugpy_importable(),
                         subshells=self._use_ipython)

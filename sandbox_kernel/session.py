@@ -36,7 +36,7 @@ from .api import (
     SandboxStatus,
     SandboxView,
 )
-from . import names, ownership, pool, runner_protocol as protocol, shutdown_policy
+from . import names, ownership, pool, runner_bundle, runner_protocol as protocol, shutdown_policy
 from .channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxProcesses
 from .exec_transport import ExecFailed, ExecTransport, RunnerGone, encode_arg
 from .config import Settings, open_client
@@ -48,10 +48,9 @@ log = logging.getLogger("sandbox_kernel.session")
 RUNNER_DIR = "/tmp/sandbox-kernel"
 RUNNER_PATH = f"{RUNNER_DIR}/runner.py"
 RUNNER_CLIENT_PATH = f"{RUNNER_DIR}/runner_client.py"
-# Uploaded at every runner start: the daemon, its fork and protocol modules, its light client.
-RUNNER_FILES = {f"{RUNNER_DIR}/{name}": Path(__file__).with_name(name)
-                for name in ("runner.py", "runner_fork.py", "runner_debug.py", "runner_protocol.py",
-                             "runner_client.py")}
+# Uploaded at every runner start: the runner's bundle (the daemon, its modules, its light
+# client), whose hash the runner reports (runner_bundle.py).
+RUNNER_FILES = {f"{RUNNER_DIR}/{name}": Path(__file__).with_name(name) for name in runner_bundle.FILES}
 SANDBOX_PYTHON = "python3"
 # Keep each exec argument well under Linux's 128 KiB per-argument limit.
 MAX_INLINE_CODE = 64 * 1024
@@ -265,7 +264,8 @@ class SandboxSession:
         """Drive `sandbox_id` from now on; return True if its running runner was kept.
 
         A runner already alive in it (a fork's, or another notebook's) is kept with its
-        state, unless fresh_runner asks for a new one.
+        state, unless fresh_runner asks for a new one; even one of another bundle (another
+        sandbox-kernel version, see other_version_line): its variables are the user's.
         """
         client = self._client()
         view = self._track(await client.get_sandbox(sandbox_id))
@@ -280,9 +280,11 @@ class SandboxSession:
             if not fresh_runner:
                 try:
                     info = await self._exec_request({protocol.OP: protocol.INFO})
-                except SessionError:
+                except (SessionError, ValueError):  # ValueError: an answer that is not JSON
                     info = {}
-                if "python_version" in info:
+                # Anything else than a runner's info (the sandbox's code can replace its
+                # client) is no runner this kernel can drive: a new one is started.
+                if isinstance(info, dict) and "python_version" in info:
                     self.runner_info = info
                     await self._open_channel()
                     return True
@@ -291,6 +293,15 @@ class SandboxSession:
         except BaseException:  # a failed attach leaves the notebook on its sandbox
             self.sandbox_id, self.runner_info = previous
             raise
+
+    def other_version_line(self) -> str | None:
+        """One line for the user if the runner this session drives was started from another
+        bundle than this kernel's (an older sandbox-kernel's runner reports none), else None."""
+        if not self.runner_info or runner_bundle.runs_this_bundle(self.runner_info):
+            return None
+        return (f"Sandbox {self.sandbox_id} runs a Python runner of another sandbox-kernel version, kept with "
+                f"its variables; `%sandbox attach {self.sandbox_id} --restart-runner` starts this "
+                "version's (variables and imports are lost, files are kept)")
 
     async def start_runner(self, new_sandbox: bool = False) -> None:
         """Upload the runner's files and start its daemon; an older daemon is stopped first

@@ -1,0 +1,190 @@
+"""Version skew: the runner's bundle has a content hash the runner reports, so a kernel
+never takes a runner of another sandbox-kernel version for its own.
+
+"Another version" is simulated honestly: a copy of this package that differs from it by one
+comment line in a bundle file, from which real kernels are started (PYTHONPATH), as after a
+`pip install -U` next to a notebook of the version before. Its kernels upload their bundle
+and start their runner exactly as any kernel does. Real engine, real kernels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.manager import KernelManager
+
+from kernel_helpers import execute, running_kernel
+from sandbox_kernel import pool, runner_bundle
+from sandbox_kernel.api import SandboxClient
+from sandbox_kernel.config import ENV_VARS
+from sandbox_kernel.local.service import EngineEndpoint
+from sandbox_kernel.session import RUNNER_DIR
+
+PACKAGE = Path(runner_bundle.__file__).parent
+MARK = "# the other version\n"  # what the other version's runner_protocol.py ends with
+MARKED = f"print(open('{RUNNER_DIR}/runner_protocol.py').read().endswith({MARK!r}))"
+SANDBOX_ID = "import os\nprint(os.environ['SANDBOX_ID'])"
+
+
+def other_version_line(sandbox_id: str) -> str:
+    return (f"Sandbox {sandbox_id} runs a Python runner of another sandbox-kernel version, kept with its "
+            f"variables; `%sandbox attach {sandbox_id} --restart-runner` starts this version's "
+            "(variables and imports are lost, files are kept)")
+
+
+# -- the hash (no sandbox) ----------------------------------------------------------------
+
+
+def test_the_hash_changes_with_any_bundle_file_and_only_then(tmp_path: Path) -> None:
+    for name in runner_bundle.FILES:
+        shutil.copy(PACKAGE / name, tmp_path / name)
+    (tmp_path / "not_in_the_bundle.py").write_text("x = 1\n")
+    original = runner_bundle.bundle_hash(str(tmp_path))
+    assert original == runner_bundle.own_hash() == runner_bundle.bundle_hash(str(PACKAGE))
+    (tmp_path / "not_in_the_bundle.py").write_text("x = 2\n")  # not the bundle's: no change
+    (tmp_path / "runner.py").touch()  # a new mtime, the same content: no change
+    assert runner_bundle.bundle_hash(str(tmp_path)) == original
+    seen = {original}
+    for name in runner_bundle.FILES:
+        content = (tmp_path / name).read_bytes()
+        (tmp_path / name).write_bytes(content + b"\n")
+        changed = runner_bundle.bundle_hash(str(tmp_path))
+        assert changed not in seen, name
+        seen.add(changed)
+        (tmp_path / name).write_bytes(content)
+        assert runner_bundle.bundle_hash(str(tmp_path)) == original
+    # A byte moved from one file to the next is another bundle too.
+    first, second = (tmp_path / name for name in runner_bundle.FILES[:2])
+    a, b = first.read_bytes(), second.read_bytes()
+    first.write_bytes(a[:-1])
+    second.write_bytes(a[-1:] + b)
+    assert runner_bundle.bundle_hash(str(tmp_path)) not in seen
+
+
+def test_a_runner_that_reports_no_hash_runs_another_bundle() -> None:
+    """A runner older than the hash reports none: it is another version, not ours."""
+    assert runner_bundle.runs_this_bundle({runner_bundle.INFO_FIELD: runner_bundle.own_hash()})
+    assert not runner_bundle.runs_this_bundle({"python_version": "3.11.7"})
+    assert not runner_bundle.runs_this_bundle({runner_bundle.INFO_FIELD: "0" * 16})
+
+
+# -- kernels of two versions ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_version(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory for PYTHONPATH holding this package with one comment line added to a
+    bundle file: another sandbox-kernel version."""
+    root = tmp_path_factory.mktemp("other-version")
+    shutil.copytree(PACKAGE, root / "sandbox_kernel", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(root / "sandbox_kernel" / "runner_protocol.py", "a") as file:
+        file.write(MARK)
+    return root
+
+
+def other_version_kernel(kernelspec: str, root: Path) -> contextlib.AbstractContextManager[
+        tuple[KernelManager, BlockingKernelClient]]:
+    # Started outside the worktree: `python -m` puts the working directory first on sys.path.
+    return running_kernel(kernelspec, env={**os.environ, "PYTHONPATH": str(root)}, cwd=str(root))
+
+
+@contextlib.contextmanager
+def attached_kernel(kernelspec: str, sandbox_id: str) -> Iterator[BlockingKernelClient]:
+    """A kernel started attached to sandbox_id (SANDBOX_KERNEL_SANDBOX_ID)."""
+    env = {**os.environ, ENV_VARS["sandbox_id"]: sandbox_id}
+    with running_kernel(kernelspec, env=env) as (_, kc):
+        yield kc
+
+
+@pytest.mark.slow
+def test_a_runner_of_another_version_is_kept_said_once_and_restarted_on_request(
+        kernelspec: str, other_version: Path) -> None:
+    with other_version_kernel(kernelspec, other_version) as (_, older):
+        # The other version's runner really runs there, from its own bundle.
+        assert execute(older, MARKED).text() == "True\n"
+        sandbox = execute(older, SANDBOX_ID).text().strip()
+        assert execute(older, "x = 41").reply["content"]["status"] == "ok"
+
+        # A kernel of this version started attached to it: one line in its first cell, once.
+        with attached_kernel(kernelspec, sandbox) as kc:
+            first = execute(kc, "print(x + 1)")
+            assert first.text() == "42\n" and first.text("stderr") == other_version_line(sandbox) + "\n"
+            again = execute(kc, "print(x)")
+            assert again.text() == "41\n" and again.text("stderr") == ""
+
+        # %sandbox attach: the runner and its variables are kept, and the line says why.
+        with running_kernel(kernelspec) as (_, kc):
+            attached = execute(kc, f"%sandbox attach {sandbox}")
+            assert attached.reply["content"]["status"] == "ok"
+            assert other_version_line(sandbox) in attached.text().splitlines()
+            assert execute(kc, "print(x)").text() == "41\n"
+            # Asked for: a fresh runner of this version, in the sandbox this notebook drives.
+            restarted = execute(kc, f"%sandbox attach {sandbox} --restart-runner")
+            assert restarted.reply["content"]["status"] == "ok" and "another" not in restarted.text()
+            gone = execute(kc, "x")
+            assert gone.reply["content"]["status"] == "error" and gone.reply["content"]["ename"] == "NameError"
+            assert execute(kc, MARKED).text() == "False\n"
+
+        # Its runner is this version's now: a kernel attaching keeps it and says nothing.
+        with attached_kernel(kernelspec, sandbox) as kc:
+            quiet = execute(kc, "print('here')")
+            assert quiet.text() == "here\n" and quiet.text("stderr") == ""
+
+
+@pytest.mark.slow
+def test_a_pool_member_of_another_version_is_not_claimed(
+        kernelspec: str, engine: EngineEndpoint, other_version: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VARS["warm_pool"], "1")
+    before = set(pool.all_members())
+    made: set[str] = set()
+    try:
+        with other_version_kernel(kernelspec, other_version) as (_, older):
+            execute(older, "1")  # its start tops its pool up: one member, of the other version
+            made = wait_for_new_members(before)
+        [member] = made
+        # Proof that the member runs the other version's runner, from its bundle.
+        assert sandbox_run(engine, member, f"tail -c {len(MARK)} {RUNNER_DIR}/runner_protocol.py") == MARK
+        with running_kernel(kernelspec) as (_, kc):
+            started_on = execute(kc, SANDBOX_ID).text().strip()
+            made |= wait_for_new_members(before | made)  # this version's pool fills up
+        assert started_on != member
+        assert member in pool.all_members()  # still waiting for a kernel of its version
+    finally:
+        destroy(engine, made)
+
+
+def wait_for_new_members(known: set[str], timeout: float = 120.0) -> set[str]:
+    deadline = time.monotonic() + timeout
+    while not (new := set(pool.all_members()) - known):
+        assert time.monotonic() < deadline, "no pool member was made"
+        time.sleep(0.2)
+    return new
+
+
+def sandbox_run(engine: EngineEndpoint, sandbox_id: str, command: str) -> str:
+    async def run() -> Any:
+        async with SandboxClient(engine.url, engine.token) as client:
+            return (await client.exec(sandbox_id, "sh", ["-c", command])).result.stdout
+
+    return asyncio.run(run())
+
+
+def destroy(engine: EngineEndpoint, sandbox_ids: set[str]) -> None:
+    async def run() -> None:
+        async with SandboxClient(engine.url, engine.token) as client:
+            for sandbox_id in sandbox_ids:
+                with contextlib.suppress(Exception):
+                    await client.delete_sandbox(sandbox_id)
+
+    asyncio.run(run())
+    for sandbox_id in sandbox_ids:
+        pool.forget(sandbox_id)
