@@ -9,6 +9,10 @@ the unfiltered payloads before it shows that none runs after the filter.
 
 from __future__ import annotations
 
+from html.parser import HTMLParser
+
+from sandbox_kernel.safe_html import ALLOWED_TAGS, FRAME_POLICY
+
 SET = "top.__pwned=1"
 
 FIRES_UNAIDED = [
@@ -56,3 +60,41 @@ NOT_UNAIDED = [
     f"<img src=x onerror={SET}//",  # never closed
 ]
 ATTACKS = FIRES_UNAIDED + NOT_UNAIDED
+
+
+class Tags(HTMLParser):
+    """Every start tag of a document, with its attributes."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.feed(source)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, dict(attrs)))
+
+    handle_startendtag = handle_starttag
+
+
+def assert_inert(markup: str) -> None:
+    """Only allowlisted tags, no handler, and URLs that are links or embedded images."""
+    for tag, attrs in Tags(markup).tags:
+        assert tag in ALLOWED_TAGS or tag == "style", markup
+        for name, value in attrs.items():
+            assert not name.startswith("on"), markup
+            if name == "href":
+                assert (value or "").startswith(("http:", "https:", "mailto:", "#")), markup
+            if name == "src":
+                assert (value or "").startswith("data:image/"), markup
+            if name == "style":
+                assert "url" not in (value or "") and "expression" not in (value or ""), markup
+
+
+def assert_isolated(markup: str, source: str) -> None:
+    """The whole source in a frame with scripts but without the page's origin, and offline."""
+    tags = Tags(markup).tags
+    assert [tag for tag, _ in tags] == ["div", "iframe"], markup
+    frame = tags[1][1]
+    assert frame["sandbox"] == "allow-scripts"  # no allow-same-origin, forms, popups or top navigation
+    assert frame["srcdoc"] == f'<meta http-equiv="Content-Security-Policy" content="{FRAME_POLICY}">{source}'
