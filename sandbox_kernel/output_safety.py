@@ -13,8 +13,10 @@ sandbox passes through OutputFilter:
 - comm messages: ipywidgets models of the core widget libraries, with the fields those
   widgets render as HTML made safe (HTML and HTMLMath values, HTML descriptions, an Output
   widget's outputs), and the state replies that restore them; models of other widget
-  libraries and comms to other frontend code are withheld: their frontend code decides what
-  runs, and it may run what the sandbox sends (anywidget runs a model's `_esm` source).
+  libraries are withheld: the page's widget manager loads whatever library a model names,
+  and that library may run what the sandbox sends (anywidget runs a model's `_esm` source).
+  Comms to other targets pass: a target exists only where frontend code the user installed
+  registered it, and that code decides what it accepts.
 """
 
 from __future__ import annotations
@@ -195,7 +197,7 @@ class OutputFilter:
             state, paths, buffers = self._widget_state(widget, state, data.get("buffer_paths"), buffers,
                                                        opening=True)
             return {**content, "data": {**data, "state": state, "buffer_paths": paths}}, buffers
-        if target == WIDGET_CONTROL_TARGET or self.trusted:
+        if target != WIDGET_TARGET or self.trusted:
             self.other_comms.add(comm_id)
             return content, buffers
         self.withheld.add(comm_id)

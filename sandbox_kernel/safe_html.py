@@ -85,7 +85,7 @@ def safe_html(source: str) -> str:
 
 
 def sanitize(source: str) -> Sanitized:
-    """`source` through the allowlist, wrapped in a <div> its <style> rules are scoped to."""
+    """`source` through the allowlist (in a <div> its <style> rules are scoped to, if it has any)."""
     parser = _Sanitizer(scope=f"sk-output-{uuid.uuid4().hex[:16]}")
     parser.feed(source)
     parser.close()
@@ -122,11 +122,14 @@ class _Sanitizer(HTMLParser):
         self.style_text: list[str] = []  # a top-level <style> block's text, until its end tag
         self.active = False
         self.risky_math = False
+        self.styled = False  # a <style> block was kept: the output needs its scope's wrapper
 
     def result(self) -> Sanitized:
         body = "".join(self.out) + "".join(f"</{tag}>" for tag in reversed(self.open_tags))
-        classes = self.scope + (f" {MATH_OFF}" if self.risky_math else "")
-        return Sanitized(f'<div class="{classes}">{body}</div>', self.active)
+        if not self.styled and not self.risky_math:
+            return Sanitized(body, self.active)
+        classes = (self.scope if self.styled else "") + (f" {MATH_OFF}" if self.risky_math else "")
+        return Sanitized(f'<div class="{classes.strip()}">{body}</div>', self.active)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self._start(tag, attrs, closed=False)
@@ -207,6 +210,7 @@ class _Sanitizer(HTMLParser):
         scoped = scoped_css(css, self.scope)
         if scoped:
             self.out.append(f"<style>{scoped}</style>")
+            self.styled = True
 
 
 def _url(value: str) -> str:
