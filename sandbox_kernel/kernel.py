@@ -47,6 +47,7 @@ from .event_lines import stream_content
 from .history import open_history
 from .magics import PIP_COMMAND, MagicError, SandboxMagics, Segment, split_cell
 from .output import CellOutput, OutputGuard
+from .output_safety import OutputFilter
 from .paths import handoff_path, state_dir, write_private
 from .session import RESTART_HANDOFF_WAIT, SandboxSession, SessionError
 from .shutdown_policy import farewell
@@ -166,6 +167,9 @@ class SandboxKernel(Kernel):
         self.subshell_requests_lock = threading.Lock()
         # The count each execute_input showed, by request, until its do_execute takes it.
         self.announced_counts: dict[str, int] = {}
+        # What of the sandbox's output may reach the page (%sandbox trust-output), for this
+        # kernel's life: a restart filters again.
+        self.output_filter = OutputFilter()
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -333,7 +337,7 @@ class SandboxKernel(Kernel):
         except WaitInterrupted:
             return self._fail("KeyboardInterrupt", "interrupted: the sandbox is still starting; "
                               "run a cell when you want it")
-        magics = SandboxMagics(session, out)
+        magics = SandboxMagics(session, out, self.output_filter)
         payload: list[dict[str, Any]] = []
         segments = split_cell(code)
         # user_expressions are evaluated after the cell's last code, in the sandbox; after a
@@ -394,10 +398,10 @@ class SandboxKernel(Kernel):
         finally:
             translate.flush_input_tasks()
         if done.get("status") == "ok":
-            payload = _payload_of(done)
+            payload = self.output_filter.page_payload(_payload_of(done))
             if translate.asked_exit:  # exit() in the cell: a frontend such as jupyter console ends its session
                 payload.append({"source": "ask_exit", "keepkernel": False})
-            return self._ok(payload, _user_expressions_of(done))
+            return self._ok(payload, self.output_filter.user_expressions(_user_expressions_of(done)))
         error = translate.last_error or {"ename": "Error", "evalue": "", "traceback": []}
         return {"status": "error", "execution_count": self.cell_count(), **error}
 
@@ -512,8 +516,8 @@ class SandboxKernel(Kernel):
                          omit_sections: Any = ()) -> dict[str, Any]:
         reply = await self._runner_query({protocol.OP: protocol.INSPECT, "code": code, "cursor_pos": cursor_pos,
                                           "detail_level": detail_level})
-        return {"status": "ok", "found": reply.get("found", False),
-                "data": reply.get("data", {}), "metadata": reply.get("metadata", {})}
+        data, metadata = self.output_filter.bundle(reply.get("data", {}), reply.get("metadata", {}))
+        return {"status": "ok", "found": reply.get("found", False), "data": data, "metadata": metadata}
 
     def _sandbox_ready(self) -> bool:
         return not (self.boot is None or not self.boot.done() or self.boot.exception() or self.sandbox is None)
@@ -594,6 +598,7 @@ class SandboxKernel(Kernel):
             log.warning("%s before the sandbox is up: dropped", parent["header"]["msg_type"])
             return
         assert self.sandbox is not None
+        self.output_filter.comm_from_frontend(parent["header"]["msg_type"], parent["content"])
         message = {"msg_type": parent["header"]["msg_type"], "content": parent["content"],
                    "metadata": parent.get("metadata") or {},
                    "buffers": [base64.b64encode(bytes(buffer)).decode("ascii") for buffer in parent.get("buffers") or []]}
@@ -695,7 +700,7 @@ class SandboxKernel(Kernel):
         response = answer.get("response")
         if not isinstance(response, dict):
             return _debug_refusal(msg, "the debugger in the sandbox gave no response")
-        return response
+        return self.output_filter.debug_response(response)
 
     def _publish_sandbox_debug_event(self, content: object) -> None:
         """A DAP event of the sandbox's debugger, on IOPub, within DEBUG_EVENT_BUDGET."""
@@ -927,13 +932,14 @@ class _EventTranslator:
         elif kind == "stream":
             send(iopub, "stream", stream_content(event))
         elif kind in ("display_data", "update_display_data"):
-            send(iopub, kind, {"data": event["data"], "metadata": event.get("metadata", {}),
-                               "transient": event.get("transient", {})})
+            data, metadata = self.kernel.output_filter.bundle(event["data"], event.get("metadata", {}))
+            send(iopub, kind, {"data": data, "metadata": metadata, "transient": event.get("transient", {})})
         elif kind == "clear_output":
             send(iopub, "clear_output", {"wait": event.get("wait", False)})
         elif kind == "execute_result":
-            send(iopub, "execute_result", {"execution_count": self.execution_count,
-                                           "data": event["data"], "metadata": event.get("metadata", {})})
+            data, metadata = self.kernel.output_filter.bundle(event["data"], event.get("metadata", {}))
+            send(iopub, "execute_result", {"execution_count": self.execution_count, "data": data,
+                                           "metadata": metadata})
         elif kind == "error":
             self.last_error = {"ename": event["ename"], "evalue": event["evalue"],
                                "traceback": event["traceback"]}
@@ -956,6 +962,10 @@ class _EventTranslator:
             log.warning("dropped a comm message with malformed buffers")
             return
         metadata = event.get("metadata") if isinstance(event.get("metadata"), dict) else {}
+        allowed = self.kernel.output_filter.comm_from_sandbox(event["msg_type"], content, raw)
+        if allowed is None:
+            return
+        content, raw = allowed
         # On its cell's parent, like the cell's other output (this runs in the channel's reader
         # task, whose context holds no parent): the frontend's Output widgets capture by it.
         self.kernel.session.send(self.kernel.iopub_socket, event["msg_type"], content, self.parent,

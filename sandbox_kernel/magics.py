@@ -25,6 +25,7 @@ from .config import SHUTDOWN_POLICIES
 from .cost import Cost
 from .magic_words import Word
 from .output import CellOutput, html_without_math
+from .output_safety import OutputFilter
 from .session import SandboxSession
 from .transfer import CHUNK, MAX_FILE, WORKSPACE, Transfer, TransferError, describe_size, host_path, sandbox_path
 
@@ -65,6 +66,10 @@ HELP = """\
   %sandbox on-shutdown destroy|pause|keep
                                   what closing this notebook does to its sandboxes (the ones
                                   it created or forked and did not keep)
+  %sandbox trust-output on|off    on: the sandbox's output reaches this page unchanged, its
+                                  scripts run with your Jupyter rights (this kernel's life);
+                                  off (default): scripts and active HTML are held back or
+                                  shown in an isolated frame
   %sandbox help                   this text; %sandbox COMMAND --help: that command only
 
   %upload LOCAL [REMOTE], %download REMOTE [LOCAL]: copy files in and out (%upload help)
@@ -179,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     keep.add_argument("sandbox_id", metavar="ID|NAME", nargs="?")
     policy = sub.add_parser("on-shutdown", add_help=False)
     policy.add_argument("policy", choices=SHUTDOWN_POLICIES)
+    sub.add_parser("trust-output", add_help=False).add_argument("trust", choices=("on", "off"))
     return parser
 
 
@@ -230,9 +236,10 @@ def table(rows: list[tuple[str, str]]) -> dict[str, str]:
 
 
 class SandboxMagics:
-    def __init__(self, session: SandboxSession, out: CellOutput) -> None:
+    def __init__(self, session: SandboxSession, out: CellOutput, output_filter: OutputFilter | None = None) -> None:
         self.session = session
         self.out = out
+        self.output_filter = output_filter or OutputFilter()
 
     async def words(self, prog: str, rest: str) -> list[Word]:
         """The line's words, `{expr}` and `$name` filled in from the notebook's variables as
@@ -299,7 +306,10 @@ class SandboxMagics:
         cost = self.session.meter.cost(view.id)
         policy = (self.session.on_shutdown if ownership.owns(view.id)
                   else "keep (not this notebook's: it was attached or kept)")
-        self.out.display(table(status_rows(view, self.session.settings.description, policy, cost)))
+        rows = status_rows(view, self.session.settings.description, policy, cost)
+        rows.append(("output", "trusted: shown unchanged, scripts run" if self.output_filter.trusted
+                     else "filtered: scripts and active HTML held back or isolated"))
+        self.out.display(table(rows))
 
     async def do_cost(self, _: argparse.Namespace) -> None:
         costs = await self.session.costs()
@@ -404,6 +414,16 @@ class SandboxMagics:
         which = (f"sandbox {owned[0]}" if len(owned) == 1 else
                  f"its sandboxes {', '.join(owned)}" if owned else "no sandbox (it owns none)")
         self.out.text(f"When this notebook shuts down, {which} will be {outcome}\n")
+
+    async def do_trust_output(self, args: argparse.Namespace) -> None:
+        self.output_filter.trusted = args.trust == "on"
+        if self.output_filter.trusted:
+            self.out.text("Warning: the sandbox's output now runs in this page with your Jupyter rights "
+                          "(it can read and change your files); `%sandbox trust-output off` ends that\n",
+                          name="stderr")
+        else:
+            self.out.text("The sandbox's output is filtered again: scripts and active HTML are held back "
+                          "or shown in an isolated frame\n")
 
     # -- %upload, %download ---------------------------------------------------------------
 
