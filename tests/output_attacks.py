@@ -21,7 +21,7 @@ FIRES_UNAIDED = [
     f"<div>\n<sCrIpT\n>{SET}</script\n>",
     f'<img src=x onerror="{SET}">',
     f"<IMG SRC=x OnErRoR={SET}>",
-    f"<img src=x onerror=&#116;op.__pwned=1>",  # an entity in the handler
+    "<img src=x onerror=&#116;op.__pwned=1>",  # an entity in the handler
     f'<img/src="x"/onerror={SET}>',
     f"<svg><script>{SET}</script></svg>",
     f'<iframe src="javascript:{SET}"></iframe>',
@@ -51,7 +51,7 @@ NOT_UNAIDED = [
     f'<a href="#" onclick="{SET}">x</a>',
     f'<p title="a&quot; onmouseover={SET}">x</p>',
     f'<form><button formaction="javascript:{SET}">x</button></form>',
-    f'<base href="javascript:/"><a href="x">x</a>',
+    '<base href="javascript:/"><a href="x">x</a>',
     f'<meta http-equiv="refresh" content="0;url=javascript:{SET}">',
     f"<div style=\"background:url(javascript:{SET})\">x</div>",
     f'<div style="width: expression({SET})">x</div>',
