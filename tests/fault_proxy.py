@@ -13,6 +13,8 @@ say `shown`, and every change asked of it (resume, exec, process input, upload..
 answered 409, as CreateOS answers a sandbox that is not settled (createos-api.md §4.2).
 With `hold_creates`, sandbox creations reach the engine but their answers never come back
 (a CreateOS create taking minutes); `held_creates` lists the ids the engine answered.
+With `hold_deletes` set, sandbox destructions wait in the proxy until it is unset
+(`held_deletes` counts them): a kernel's shutdown is then under way for as long as a test needs.
 With `refuse_processes`, creating a managed process is answered with a 404, as by a
 provider without them (the kernel then runs one exec per cell). The cuts apply to managed
 processes' `connect` streams as to streaming execs.
@@ -38,6 +40,7 @@ from sandbox_kernel.local.service import EngineEndpoint
 VIEW_REQUEST = re.compile(rb"GET /v1/sandboxes/[^/?\s]+ HTTP/1.1$")
 # A request about one sandbox: its method, the sandbox's id, and the rest of its path.
 SANDBOX_REQUEST = re.compile(rb"([A-Z]+) /v1/sandboxes/([^/?\s]+)(\S*) HTTP/1.1$")
+DESTROY_REQUEST = re.compile(rb"DELETE /v1/sandboxes/[^/?\s]+ HTTP/1.1$")
 PROCESS_CREATE = re.compile(rb"POST /v1/sandboxes/[^/?\s]+/processes HTTP/1.1$")
 CONNECT_REQUEST = re.compile(rb"GET /v1/sandboxes/[^/?\s]+/processes/[^/?\s]+/connect\?")
 # In an exec frame's JSON, the end of a line the runner wrote: `\n` after an even run of
@@ -76,6 +79,8 @@ class FaultProxy:
         self.bad_gateways = 0
         self.hold_status: tuple[str, str] | None = None
         self.held_views = 0
+        self.hold_deletes = False
+        self.held_deletes = 0
         self.transition: tuple[str, str] | None = None  # (sandbox id, status shown): hold_transition
         self.refused_in_transition = 0
         self.port = 0
@@ -139,6 +144,10 @@ class FaultProxy:
                         await _whole_request(data, client_r)  # read to its end: a reset could beat the answer
                         self.refused_in_transition += 1
                         reply = CONFLICT
+                    elif self.hold_deletes and DESTROY_REQUEST.match(request_line):
+                        self.held_deletes += 1
+                        while self.hold_deletes:  # then sent on, below
+                            await asyncio.sleep(0.02)
                     elif self.refuse_processes and PROCESS_CREATE.match(request_line):
                         self.refused_processes += 1
                         reply = NOT_FOUND
