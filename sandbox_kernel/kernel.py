@@ -59,6 +59,9 @@ HANDOFF_MAX_AGE = RESTART_HANDOFF_WAIT  # a restart hand-off older than this is 
 # Shutting down while the sandbox still starts: wait this long for it (jupyter_client kills
 # a kernel that takes 5 s), then stop waiting and find the sandbox by its name (shutdown_policy.py).
 BOOT_SHUTDOWN_WAIT = 2.0
+# At shutdown, how long the cells being handled have to send their replies (each is told at
+# once that the kernel is going: this only lets the reply leave before the loop stops).
+REPLY_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
 USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
 # Bytes of debug events the sandbox may send between two debug requests of the frontend
@@ -170,6 +173,12 @@ class SandboxKernel(Kernel):
         # What of the sandbox's output may reach the page (%sandbox trust-output), for this
         # kernel's life: a restart filters again.
         self.output_filter = OutputFilter()
+        # Set when a shutdown or restart begins ("shutting down", "restarting"): a cell that
+        # comes then is answered at once, with one line, rather than run in a closing sandbox.
+        self.stopping: str | None = None
+        # execute_requests handled and not answered yet, on any thread (see do_shutdown).
+        self.unanswered = 0
+        self.unanswered_lock = threading.Lock()
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -200,9 +209,19 @@ class SandboxKernel(Kernel):
         log.info("%s", self._ready_line())
 
     async def _ensure_session(self, out: CellOutput, silent: bool) -> SandboxSession:
-        """Wait for the sandbox (a long wait shows progress); retry a failed start once per cell."""
+        """Wait for the sandbox (a long wait shows progress); retry a failed start once per cell.
+        A start that a shutdown gives up (cancels) under the cell is a SessionError saying so."""
+        try:
+            return await self._wait_for_session(out, silent)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.boot is None or not self.boot.cancelled() or (task is not None and task.cancelling()):
+                raise  # the cell's own wait was cancelled (an interrupt), not the start
+            raise SessionError(self._stopping_line()) from None
+
+    async def _wait_for_session(self, out: CellOutput, silent: bool) -> SandboxSession:
         assert self.boot is not None
-        if self.boot.done() and self.boot.exception() is not None:
+        if self._boot_failed():
             self.boot = asyncio.get_running_loop().create_task(self._boot())
         if self.settings is None:
             await self.boot  # a configuration error: its line says it all
@@ -226,6 +245,13 @@ class SandboxKernel(Kernel):
             self.other_version_line = None
         assert self.sandbox is not None
         return self.sandbox
+
+    def _boot_failed(self) -> bool:
+        return self.boot is not None and self.boot.done() and (self.boot.cancelled()
+                                                                or self.boot.exception() is not None)
+
+    def _stopping_line(self) -> str:
+        return f"the kernel is {self.stopping or 'shutting down'}: the cell did not run"
 
     def _provider(self) -> str:
         return self.settings.description if self.settings else "an unconfigured provider"
@@ -276,7 +302,7 @@ class SandboxKernel(Kernel):
             reply = await self._on_main_loop(
                 self._execute(code, silent, store_history, user_expressions or {}, allow_stdin))
         except asyncio.CancelledError:
-            raise  # the kernel is shutting down
+            raise  # this very request was cancelled: its loop is closing, no reply can leave
         except Exception as exc:  # a bug of ours, or a magic that raised: one line, and the reply
             log.exception("execute_request failed in the kernel")
             reply = self._fail("SandboxError", f"internal error ({type(exc).__name__}: {exc}); "
@@ -321,6 +347,8 @@ class SandboxKernel(Kernel):
                        user_expressions: dict[str, Any], allow_stdin: bool) -> dict[str, Any]:
         if not code.strip() and not user_expressions:
             return self._ok()
+        if self.stopping:
+            return self._fail("KernelStopping", self._stopping_line())
         if store_history and not silent and self.history:
             # At the loop's next turn, which comes once the cell's request is written (SQLite's
             # insert took ~0.2 ms of the way to the sandbox).
@@ -333,7 +361,7 @@ class SandboxKernel(Kernel):
         try:
             session = await (ensure if up else self._interruptible(ensure))
         except SessionError as exc:
-            return self._fail("SandboxUnavailable", str(exc))
+            return self._fail("KernelStopping" if self.stopping else "SandboxUnavailable", str(exc))
         except WaitInterrupted:
             return self._fail("KeyboardInterrupt", "interrupted: the sandbox is still starting; "
                               "run a cell when you want it")
@@ -520,7 +548,7 @@ class SandboxKernel(Kernel):
         return {"status": "ok", "found": reply.get("found", False), "data": data, "metadata": metadata}
 
     def _sandbox_ready(self) -> bool:
-        return not (self.boot is None or not self.boot.done() or self.boot.exception() or self.sandbox is None)
+        return not (self.boot is None or not self.boot.done() or self._boot_failed() or self.sandbox is None)
 
     async def _runner_query(self, message: dict[str, Any]) -> dict[str, Any]:
         """Completion and inspection are best effort: an empty answer beats an error popup."""
@@ -784,7 +812,17 @@ class SandboxKernel(Kernel):
             "evalue": f"sandbox-kernel has no kernel subshells now: {why}"}, parent, ident=ident)
 
     async def execute_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
-        """ipykernel's; a subshell's request is tracked until answered (see delete_subshell_request)."""
+        """ipykernel's, counted until answered (see do_shutdown)."""
+        with self.unanswered_lock:
+            self.unanswered += 1
+        try:
+            return await self._execute_request(stream, ident, parent)
+        finally:
+            with self.unanswered_lock:
+                self.unanswered -= 1
+
+    async def _execute_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
+        """A subshell's request is tracked until answered (see delete_subshell_request)."""
         subshell_id = parent["header"].get("subshell_id")
         if not isinstance(subshell_id, str):
             return await super().execute_request(stream, ident, parent)
@@ -814,6 +852,7 @@ class SandboxKernel(Kernel):
     # -- shutdown and restart --------------------------------------------------------------
 
     async def do_shutdown(self, restart: bool) -> dict[str, Any]:
+        self.stopping = "restarting" if restart else "shutting down"
         if self.sandbox is not None:
             try:
                 # The request arrives on the control thread; the API client lives on the shell's loop.
@@ -828,7 +867,16 @@ class SandboxKernel(Kernel):
                     self._last_words(farewell(await self._on_main_loop(self.sandbox.shutdown())))
             except Exception as exc:
                 log.warning("shutdown: %s", exc)
+        await self._replies_sent()
         return {"status": "ok", "restart": restart}
+
+    async def _replies_sent(self) -> None:
+        """Every execute_request gets its reply: the cells being handled (told that the kernel
+        is going, or ended with their sandbox's channel) are given a moment to send theirs
+        before ipykernel stops the loops."""
+        deadline = time.monotonic() + REPLY_SHUTDOWN_WAIT
+        while self.unanswered and time.monotonic() < deadline:
+            await asyncio.sleep(STDIN_POLL)
 
     async def _stop_boot(self) -> None:
         if self.boot is not None and not self.boot.done():

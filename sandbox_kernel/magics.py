@@ -465,7 +465,7 @@ class SandboxMagics:
     async def _running(self) -> None:
         """The files API wants a running sandbox: resume a paused one, saying so."""
         view = await self.session.view()
-        if view.status.value in ("paused", "pausing"):
+        if view.status.is_pause_like:
             await self._transition("Resuming", self.session.resume, "running again")
 
     # -- %egress ------------------------------------------------------------------------

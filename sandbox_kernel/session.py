@@ -17,7 +17,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -269,14 +269,14 @@ class SandboxSession:
         """
         client = self._client()
         view = self._track(await client.get_sandbox(sandbox_id))
-        if view.status not in (SandboxStatus.RUNNING, SandboxStatus.PAUSED, SandboxStatus.PAUSING):
-            raise SessionError(f"sandbox {view.id} is {view.status.value}: it cannot run cells")
+        if not _can_run_cells(view.status):
+            raise _cannot_run_cells(view)
         previous = (self.sandbox_id, self.runner_info)
         self.sandbox_id = view.id
         ownership.use(view.id)
         try:
             if view.status != SandboxStatus.RUNNING:
-                await self.resume(progress)
+                await self.wake(progress)
             if not fresh_runner:
                 try:
                     info = await self._exec_request({protocol.OP: protocol.INFO})
@@ -428,9 +428,25 @@ class SandboxSession:
         return await self._settle(sandbox_id, SandboxStatus.PAUSED, progress)
 
     async def resume(self, progress: Progress | None = None) -> SandboxView:
+        """`%sandbox resume`: wake this sandbox (one running already is refused)."""
+        view = await self.view()
+        if view.status == SandboxStatus.RUNNING:
+            raise SessionError(f"sandbox {view.id} is running: there is nothing to resume")
+        return await self.wake(progress)
+
+    async def wake(self, progress: Progress | None = None) -> SandboxView:
+        """Bring this sandbox to running, whatever transition it is in: CreateOS answers a
+        resume 409 until the sandbox is paused (§4.2), and on CreateOS an auto-pause of a
+        large VM takes seconds, so a sandbox pausing, resuming or being forked is waited
+        for, and a paused one resumed. One running already is left as it is."""
         client, sandbox_id = self._require()
-        await client.resume_sandbox(sandbox_id)
-        view = await self._settle(sandbox_id, SandboxStatus.RUNNING, progress)
+        async with contextlib.aclosing(self._watch(sandbox_id, progress)) as views:
+            async for view in views:
+                if view.status == SandboxStatus.RUNNING:
+                    break
+                if view.status == SandboxStatus.PAUSED:
+                    with contextlib.suppress(ConflictError):  # still busy: a fork of it under way
+                        await client.resume_sandbox(sandbox_id)
         for relay in self.relays_to_end.pop(sandbox_id, []):
             await relay.close()
         return view
@@ -478,15 +494,22 @@ class SandboxSession:
     async def _settle(self, sandbox_id: str, target: SandboxStatus,
                       progress: Progress | None) -> SandboxView:
         """Poll until the sandbox reaches `target`, reporting progress; fail on a dead end."""
+        async with contextlib.aclosing(self._watch(sandbox_id, progress)) as views:
+            async for view in views:
+                if view.status == target:
+                    break
+        return view
+
+    async def _watch(self, sandbox_id: str, progress: Progress | None) -> AsyncIterator[SandboxView]:
+        """The sandbox's view, looked at again (less and less often, with progress) for as
+        long as the caller waits; a dead end (gone, broken) or a wait past the budget raises."""
         client = self._client()
         started = time.monotonic()
         delay = POLL_FIRST
         while True:
             view = self._track(await client.get_sandbox(sandbox_id))
-            if view.status == target:
-                return view
-            if view.status not in (SandboxStatus.PAUSING, SandboxStatus.RESUMING, SandboxStatus.FORKING,
-                                   SandboxStatus.PAUSED, SandboxStatus.RUNNING):
+            yield view
+            if not _can_run_cells(view.status):
                 raise SessionError(f"sandbox {view.id} is {view.status.value}")
             waited = time.monotonic() - started
             if waited > TRANSITION_BUDGET:
@@ -508,7 +531,8 @@ class SandboxSession:
 
         fields: more of the execute_request for the runner (allow_stdin, user_expressions).
 
-        A paused sandbox is resumed first (CreateOS answers 409 to an exec on it);
+        A sandbox that is not running (CreateOS answers 409 to an exec on it) is woken
+        first: paused, resumed; pausing, resuming or being forked, waited for (wake).
         on_resume() is called then, and gives the progress callback for the wait.
         """
         kwargs = dict(silent=silent, store_history=store_history, execution_count=execution_count,
@@ -517,13 +541,14 @@ class SandboxSession:
             return await self._run_cell(cell_id, code, on_event, **kwargs)
         except ConflictError:
             view = await self.view()
-            if view.status not in (SandboxStatus.PAUSED, SandboxStatus.PAUSING):
-                raise SessionError(f"sandbox {view.id} is {view.status.value}: it cannot run cells") from None
-        progress = on_resume() if on_resume else None
-        started = time.monotonic()
-        await self.resume(progress)
-        if progress:
-            progress(f"resumed in {time.monotonic() - started:.1f} s")
+            if not _can_run_cells(view.status):
+                raise _cannot_run_cells(view) from None
+        if view.status != SandboxStatus.RUNNING:  # (else a resume under way ended since the 409)
+            progress = on_resume() if on_resume else None
+            started = time.monotonic()
+            await self.wake(progress)
+            if progress:
+                progress(f"resumed in {time.monotonic() - started:.1f} s")
         return await self._run_cell(cell_id, code, on_event, **kwargs)
 
     async def _run_cell(self, cell_id: str, code: str, on_event: EventHandler, *, silent: bool,
@@ -673,6 +698,15 @@ class SandboxSession:
         if self.channel is not None:
             await self.channel.close(kill=kill)
             self.channel = None
+
+
+def _can_run_cells(status: SandboxStatus) -> bool:
+    """Running, or paused or on the way there or back: the kernel wakes it, it does not give up."""
+    return status == SandboxStatus.RUNNING or status.is_pause_like
+
+
+def _cannot_run_cells(view: SandboxView) -> SessionError:
+    return SessionError(f"sandbox {view.id} is {view.status.value}: it cannot run cells")
 
 
 def _sandbox_gone(view: SandboxView) -> SessionError:

@@ -7,8 +7,14 @@ Armed with `fail_buffered_execs`, it answers chosen buffered (non-streaming) exe
 502, either before forwarding them or after the engine has run them, as a gateway that
 gives up on a long-held request does. With `hold_status` = (real, shown), sandbox views
 say `shown` where the engine says `real`, as a CreateOS transition taking minutes looks.
+With `hold_transition(id, shown)`, one sandbox looks stuck in a transition (`pausing`,
+`resuming`, `forking`), as a large CreateOS VM is for seconds, until `release()`: its views
+say `shown`, and every change asked of it (resume, exec, process input, upload...) is
+answered 409, as CreateOS answers a sandbox that is not settled (createos-api.md §4.2).
 With `hold_creates`, sandbox creations reach the engine but their answers never come back
 (a CreateOS create taking minutes); `held_creates` lists the ids the engine answered.
+With `hold_deletes` set, sandbox destructions wait in the proxy until it is unset
+(`held_deletes` counts them): a kernel's shutdown is then under way for as long as a test needs.
 With `refuse_processes`, creating a managed process is answered with a 404, as by a
 provider without them (the kernel then runs one exec per cell). The cuts apply to managed
 processes' `connect` streams as to streaming execs.
@@ -32,6 +38,9 @@ import pytest
 from sandbox_kernel.local.service import EngineEndpoint
 
 VIEW_REQUEST = re.compile(rb"GET /v1/sandboxes/[^/?\s]+ HTTP/1.1$")
+# A request about one sandbox: its method, the sandbox's id, and the rest of its path.
+SANDBOX_REQUEST = re.compile(rb"([A-Z]+) /v1/sandboxes/([^/?\s]+)(\S*) HTTP/1.1$")
+DESTROY_REQUEST = re.compile(rb"DELETE /v1/sandboxes/[^/?\s]+ HTTP/1.1$")
 PROCESS_CREATE = re.compile(rb"POST /v1/sandboxes/[^/?\s]+/processes HTTP/1.1$")
 CONNECT_REQUEST = re.compile(rb"GET /v1/sandboxes/[^/?\s]+/processes/[^/?\s]+/connect\?")
 # In an exec frame's JSON, the end of a line the runner wrote: `\n` after an even run of
@@ -40,6 +49,9 @@ EVENT_LINE_END = re.compile(rb"(?<!\\)(?:\\\\)*\\n")
 NOT_FOUND_BODY = b'{"status": "fail", "data": "not found"}'
 NOT_FOUND = (b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nConnection: close\r\n"
              b"Content-Length: " + str(len(NOT_FOUND_BODY)).encode() + b"\r\n\r\n" + NOT_FOUND_BODY)
+CONFLICT_BODY = b'{"status": "fail", "data": {"message": "sandbox is in transition", "code": "invalid_state"}}'
+CONFLICT = (b"HTTP/1.1 409 Conflict\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: " + str(len(CONFLICT_BODY)).encode() + b"\r\n\r\n" + CONFLICT_BODY)
 BAD_GATEWAY_BODY = b'{"status": "error", "message": "bad gateway"}'
 BAD_GATEWAY = (b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nConnection: close\r\n"
                b"Content-Length: " + str(len(BAD_GATEWAY_BODY)).encode() + b"\r\n\r\n" + BAD_GATEWAY_BODY)
@@ -67,6 +79,10 @@ class FaultProxy:
         self.bad_gateways = 0
         self.hold_status: tuple[str, str] | None = None
         self.held_views = 0
+        self.hold_deletes = False
+        self.held_deletes = 0
+        self.transition: tuple[str, str] | None = None  # (sandbox id, status shown): hold_transition
+        self.refused_in_transition = 0
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -82,6 +98,15 @@ class FaultProxy:
         reaches the engine or "after" the engine has run it (its answer is thrown away)."""
         self.buffered_execs = 0
         self._exec_faults = dict(faults)
+
+    def hold_transition(self, sandbox_id: str, shown: str) -> None:
+        """From now on, sandbox_id looks `shown` (a transition) and refuses every change."""
+        self.held_views = self.refused_in_transition = 0
+        self.transition = (sandbox_id, shown)
+
+    def release(self) -> None:
+        """The held transition is over: the engine's own state shows through again."""
+        self.transition = None
 
     def __exit__(self, *exc: object) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -109,7 +134,21 @@ class FaultProxy:
                     state.update(streaming=bool(streams_output), relayed=0, tail=b"",
                                  event_passed=bool(CONNECT_REQUEST.match(request_line)))
                     reply = None
-                    if self.refuse_processes and PROCESS_CREATE.match(request_line):
+                    in_transition = self._in_transition(request_line)
+                    if in_transition == "view":
+                        answer = await self._exchange(await _whole_request(data, client_r))
+                        client_w.write(self._shown_in_transition(answer))
+                        await client_w.drain()
+                        continue
+                    if in_transition == "change":
+                        await _whole_request(data, client_r)  # read to its end: a reset could beat the answer
+                        self.refused_in_transition += 1
+                        reply = CONFLICT
+                    elif self.hold_deletes and DESTROY_REQUEST.match(request_line):
+                        self.held_deletes += 1
+                        while self.hold_deletes:  # then sent on, below
+                            await asyncio.sleep(0.02)
+                    elif self.refuse_processes and PROCESS_CREATE.match(request_line):
                         self.refused_processes += 1
                         reply = NOT_FOUND
                     elif state["streaming"] and self.stream_reply is not None and not CONNECT_REQUEST.match(
@@ -181,6 +220,28 @@ class FaultProxy:
         finally:
             writer.transport.abort()
 
+    def _in_transition(self, request_line: bytes) -> str | None:
+        """"view" for a view of the sandbox held in transition, "change" for a change asked
+        of it (reads of its files and streams pass; a destroy too: CreateOS allows one)."""
+        held = self.transition
+        match = SANDBOX_REQUEST.match(request_line)
+        if held is None or match is None or match.group(2).decode() != held[0]:
+            return None
+        method, rest = match.group(1), match.group(3)
+        if method == b"GET":
+            return "view" if not rest else None
+        return None if method == b"DELETE" and not rest else "change"
+
+    def _shown_in_transition(self, response: bytes) -> bytes:
+        """A view of the held sandbox, with the transition's status in place of the engine's."""
+        held = self.transition
+        head, _, body = response.partition(b"\r\n\r\n")
+        view = json.loads(body)
+        if held is not None and isinstance(view.get("data"), dict) and view["data"].get("id") == held[0]:
+            view["data"]["status"] = held[1]
+            self.held_views += 1
+        return _with_body(head, json.dumps(view).encode())
+
     def _held(self, response: bytes) -> bytes:
         """A sandbox view answer with the held status shown instead of the real one."""
         assert self.hold_status is not None
@@ -188,8 +249,13 @@ class FaultProxy:
         head, _, body = response.partition(b"\r\n\r\n")
         body, count = re.subn(rb'"status": ?"%s"' % real.encode(), b'"status":"%s"' % shown.encode(), body)
         self.held_views += count
-        head = re.sub(rb"(?i)content-length: *\d+", b"content-length: %d" % len(body), head)
-        return head + b"\r\n\r\n" + body
+        return _with_body(head, body)
+
+
+def _with_body(head: bytes, body: bytes) -> bytes:
+    """An HTTP answer with its body replaced (and its length said again)."""
+    head = re.sub(rb"(?i)content-length: *\d+", b"content-length: %d" % len(body), head)
+    return head + b"\r\n\r\n" + body
 
 
 def _content_length(head: bytes) -> int:
