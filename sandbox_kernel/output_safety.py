@@ -57,6 +57,9 @@ OUTPUT_VIEW = "OutputView"
 IDENTITY = ("_model_module", "_model_module_version", "_model_name",
             "_view_module", "_view_module_version", "_view_name")
 TRUST_HINT = "%sandbox trust-output on shows it"
+# Comms the filter remembers at most: the sandbox opens them, and the kernel's memory must not
+# grow with what it sends. Past this, new comms are withheld (no notebook shows this many).
+MAX_COMMS = 100_000
 
 
 @dataclass
@@ -166,6 +169,8 @@ class OutputFilter:
             return None
         data = content.get("data") if isinstance(content.get("data"), dict) else {}
         if msg_type == "comm_open":
+            if self._remembered() >= MAX_COMMS:
+                return None
             return self._open(comm_id, content, data, buffers)
         if msg_type == "comm_close":
             withheld = comm_id in self.withheld
@@ -185,6 +190,9 @@ class OutputFilter:
                 return {**content, "data": data}, buffers
             return content, buffers
         return None  # withheld, or a comm the frontend never saw open
+
+    def _remembered(self) -> int:
+        return len(self.widgets) + len(self.withheld) + len(self.other_comms)
 
     def _open(self, comm_id: str, content: dict[str, Any], data: dict[str, Any],
               buffers: list[bytes]) -> tuple[dict[str, Any], list[bytes]] | None:
@@ -210,8 +218,10 @@ class OutputFilter:
         kept: dict[str, Any] = {}
         for model_id, entry in states.items():
             state = entry.get("state") if isinstance(entry, dict) else None
-            if not isinstance(state, dict) or not _core_widget(state):
-                self.withheld.add(model_id)
+            if not isinstance(state, dict) or not _core_widget(state) or (
+                    model_id not in self.widgets and self._remembered() >= MAX_COMMS):
+                if self._remembered() < MAX_COMMS:
+                    self.withheld.add(model_id)
                 continue
             widget = self.widgets.setdefault(model_id, _Widget(view_name=str(state.get("_view_name"))))
             inner = [(path[2:], buffer) for path, buffer in paths if path[:2] == [model_id, "state"]]

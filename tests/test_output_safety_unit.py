@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from output_attacks import ATTACKS, Tags, assert_inert, assert_isolated
+from sandbox_kernel import output_safety
 from sandbox_kernel.output_safety import OutputFilter, safe_markdown
 from sandbox_kernel.safe_html import safe_html, sanitize
 
@@ -234,3 +235,15 @@ def test_trusted_comms_pass_unchanged() -> None:
     output.trusted = True
     anywidget = widget_open("w", "AnyView", module="anywidget", _esm="x()")
     assert output.comm_from_sandbox("comm_open", anywidget, [b"1"]) == (anywidget, [b"1"])
+
+
+def test_the_comms_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(output_safety, "MAX_COMMS", 3)
+    output = OutputFilter()
+    for i in range(3):
+        assert output.comm_from_sandbox("comm_open", widget_open(f"s{i}", "IntSliderView"), []) is not None
+    assert output.comm_from_sandbox("comm_open", widget_open("past", "IntSliderView"), []) is None
+    assert output.comm_from_sandbox("comm_open", widget_open("other", "AnyView", module="anywidget"), []) is None
+    assert len(output.widgets) + len(output.withheld) + len(output.other_comms) == 3
+    output.comm_from_sandbox("comm_close", {"comm_id": "s0", "data": {}}, [])
+    assert output.comm_from_sandbox("comm_open", widget_open("again", "IntSliderView"), []) is not None
