@@ -54,7 +54,9 @@ __all__ = [
     "Rule",
     "add",
     "DENY_ALL",
+    "PRESETS",
     "decide",
+    "expand_presets",
     "is_allow_all",
     "is_deny_all",
     "missing",
@@ -78,6 +80,13 @@ _PORT = re.compile(r"[0-9]+")
 _SHARED = ipaddress.IPv4Network("100.64.0.0/10")
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 _GENERIC = "not a host name, IP address or CIDR"
+
+# Named rule sets, for the magic's `%egress allow NAME`: a package index is more than one host
+# (its pages, its file host), and a client refused one of them fails without naming the next,
+# so allowing them one refusal at a time took one failed install per host.
+PRESETS: dict[str, tuple[str, ...]] = {
+    "pypi": ("pypi.org:443", "files.pythonhosted.org:443"),
+}
 
 
 class EgressRuleError(ValueError):
@@ -268,6 +277,14 @@ def validate(rules: Sequence[str] | None) -> list[str]:
         norm = normalize(rule)
         if norm not in out:
             out.append(norm)
+    return out
+
+
+def expand_presets(rules: Iterable[str]) -> list[str]:
+    """The rules with each preset name (:data:`PRESETS`) replaced by its rules, in place."""
+    out: list[str] = []
+    for rule in rules:
+        out.extend(PRESETS.get(rule, (rule,)) if isinstance(rule, str) else (rule,))
     return out
 
 

@@ -45,12 +45,12 @@ from .api import SandboxAPIError
 from .config import ConfigError, Settings
 from .event_lines import stream_content
 from .history import open_history
-from .magics import PIP_COMMAND, MagicError, SandboxMagics, Segment, split_cell
+from .magics import MagicError, SandboxMagics, Segment, split_cell
 from .output import CellOutput, OutputGuard
 from .paths import handoff_path, state_dir, write_private
 from .session import RESTART_HANDOFF_WAIT, SandboxSession, SessionError
 from .shutdown_policy import farewell
-from .usage import usage_reply
+from .usage import LOADING, unknown_usage, usage_reply
 
 log = logging.getLogger("sandbox_kernel.kernel")
 
@@ -163,6 +163,9 @@ class SandboxKernel(Kernel):
         self.subshell_requests_lock = threading.Lock()
         # The count each execute_input showed, by request, until its do_execute takes it.
         self.announced_counts: dict[str, int] = {}
+        # Per sandbox, how many connections its egress rules had refused at the end of the last
+        # cell; None where the provider does not count them (CreateOS). See _name_refusals.
+        self.refusals_seen: dict[str, int | None] = {}
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -349,8 +352,10 @@ class SandboxKernel(Kernel):
                                       "service carries on; `%sandbox status` and `%sandbox list` show "
                                       "where it got to")
                 continue
-            watch = PIP_COMMAND.search(segment.text) is not None
-            refused_before = await self._best_effort(magics.refusals_so_far()) if watch else None
+            # A silent execution (a frontend's own) shows nothing: its refusals go with the next cell.
+            sandbox_id = None if silent else session.sandbox_id
+            if sandbox_id is not None and sandbox_id not in self.refusals_seen:
+                await self._best_effort(self._count_refusals(session, sandbox_id))
             fields: dict[str, Any] = {"allow_stdin": allow_stdin, "parent_msg_id": self._parent_msg_id()}
             if self.subshell_id() is not None:
                 fields[protocol.SUBSHELL_ID] = self.subshell_id()
@@ -358,13 +363,27 @@ class SandboxKernel(Kernel):
                 fields["user_expressions"] = user_expressions
             reply = await self._run_code(session, segment.text, silent or not segment.text,
                                          store_history and bool(segment.text), out, fields)
-            if refused_before is not None:
-                await self._best_effort(magics.show_refusals_since(refused_before))
+            if sandbox_id is not None and self.refusals_seen.get(sandbox_id) is not None:
+                await self._best_effort(self._name_refusals(session, sandbox_id, magics))
             if reply["status"] != "ok":
                 return reply
             payload += reply["payload"]
             expressions = reply["user_expressions"]
         return self._ok(payload, expressions)
+
+    async def _count_refusals(self, session: SandboxSession, sandbox_id: str) -> None:
+        """The count a sandbox's first cell starts from (an attached one has refusals already)."""
+        self.refusals_seen[sandbox_id] = (await session.get_egress()).denied_count
+
+    async def _name_refusals(self, session: SandboxSession, sandbox_id: str, magics: SandboxMagics) -> None:
+        """After a cell's code: name the connections the egress rules refused meanwhile, whatever
+        the client (its own message is at best '403 Forbidden'). That is one request for the
+        rules after each cell where the provider counts refusals (the local engine: a loopback
+        GET, ~1-2 ms); where it does not (CreateOS), the first answer said so and there is none."""
+        view = await session.get_egress()
+        before, self.refusals_seen[sandbox_id] = self.refusals_seen[sandbox_id], view.denied_count
+        if before is not None and view.denied_count is not None:
+            magics.show_refusals(view, before)
 
     async def _run_code(self, session: SandboxSession, code: str, silent: bool,
                         store_history: bool, out: CellOutput, fields: dict[str, Any]) -> dict[str, Any]:
@@ -523,17 +542,21 @@ class SandboxKernel(Kernel):
 
     async def usage_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
         """JupyterLab's kernel usage panel: the sandbox's CPU and memory (not this process's),
-        in the fields of ipykernel's usage_reply; empty while there is no sandbox to ask."""
+        in the fields of ipykernel's usage_reply; without a sample, the same fields (null) and
+        the reason (usage.unknown_usage)."""
         try:
             content = await self._on_main_loop(asyncio.wait_for(self._sandbox_usage(), USAGE_WAIT))
+        except asyncio.TimeoutError:
+            content = unknown_usage("timeout", timeout_ms=int(USAGE_WAIT * 1000))  # the panel's word for it
         except Exception as exc:
             log.warning("usage: %s", exc)
-            content = {}
+            content = unknown_usage("the sandbox did not answer")
         self.session.send(stream, "usage_reply", content, parent, ident=ident)
 
     async def _sandbox_usage(self) -> dict[str, Any]:
         if not self._sandbox_ready():
-            return {}
+            failed = self.boot is not None and self.boot.done() and self.boot.exception() is not None
+            return unknown_usage("no sandbox: it did not start" if failed else LOADING)
         assert self.sandbox is not None
         sample = await self.sandbox.runner_request({protocol.OP: protocol.USAGE})
         sandbox_id = self.sandbox.sandbox_id or ""

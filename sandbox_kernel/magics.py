@@ -35,9 +35,7 @@ DOWNLOAD = "%download"
 # CreateOS has no deny-all token (an empty list allows all): one rule that matches nothing
 # useful, a port on a documentation-only address (RFC 5737), stands for "block all".
 BLOCK_ALL = egress_rules.DENY_ALL
-SHOWN_REFUSALS = 3  # egress refusals named after a pip command, at most
-# A cell that runs pip: afterwards the kernel names the egress refusals it caused.
-PIP_COMMAND = re.compile(r"(^|[\s!%;(])pip3?\s|-m\s+pip\b", re.MULTILINE)
+SHOWN_REFUSALS = 3  # egress refusals named with their reason after a cell, at most
 HELP = """\
 %sandbox — manage this notebook's sandbox (handled by the kernel, not run in the sandbox)
 
@@ -82,6 +80,7 @@ EGRESS_HELP = """\
 
 A RULE is host, host:port, *.domain (subdomains), an IPv4/IPv6 address or a CIDR, e.g.
 example.com  api.example.com:443  *.example.org  127.0.0.1:8000  10.0.0.0/8
+or a preset: pypi (the Python package index and its file host, for pip).
 Changes apply to the next connection; an empty list means every public destination.
 """
 
@@ -455,8 +454,11 @@ class SandboxMagics:
         current = (await self.session.get_egress()).egress or []
         if current and current != [BLOCK_ALL]:  # the server's list is normalized: [] is allow-all
             await self._set_rules(egress_rules.add(current, checked(args.rules)))
-        else:  # from "all public" (or block-all), allowing these means: only these
+        elif current:  # from block-all, allowing these means: only these
             await self._set_rules(checked(args.rules))
+        else:  # from all public destinations, the same, which narrows: say so
+            await self._set_rules(checked(args.rules), note=" (was: all public destinations; "
+                                  "every other destination is now refused)")
 
     async def egress_deny(self, args: argparse.Namespace) -> None:
         gone = checked(args.rules)
@@ -481,32 +483,38 @@ class SandboxMagics:
                       "(the host, private and link-local addresses still need a rule)\n", name="stderr")
         await self._set_rules([])
 
-    async def refusals_so_far(self) -> int | None:
-        """How many connections the egress rules refused so far (None where the provider does
-        not say: CreateOS)."""
-        return (await self.session.get_egress()).denied_count
-
-    async def show_refusals_since(self, before: int | None) -> None:
-        """Name the refusals since `before`: pip, for one, hides a refused index behind 'no
-        matching distribution'."""
-        if before is None:
-            return
-        view = await self.session.get_egress()
+    def show_refusals(self, view: EgressView, before: int) -> None:
+        """Name the refusals the view has since `before`, then one line that would permit them
+        all: a client shows little of why (pip says 'no matching distribution', urllib
+        'Tunnel connection failed: 403 Forbidden')."""
         new = (view.denied_count or 0) - before
-        for denial in (view.denied or [])[-min(new, SHOWN_REFUSALS):] if new > 0 else []:
+        recent = (view.denied or [])[-new:] if new > 0 else []
+        targets = list(dict.fromkeys(f"{denial.host}:{denial.port}" for denial in recent))
+        if not targets:
+            return
+        shown: set[str] = set()
+        for denial in reversed(recent):  # the last reason of each destination, at most SHOWN_REFUSALS
             where = f"{denial.host}:{denial.port}"
-            self.out.text(f"sandbox-kernel: egress refused {where}: {denial.reason} "
-                          f"(%egress allow {where} permits it)\n", name="stderr")
+            if where not in shown and len(shown) < SHOWN_REFUSALS:
+                shown.add(where)
+                self.out.text(f"sandbox-kernel: egress refused {where}: {denial.reason}\n", name="stderr")
+        # The names come from the sandbox (what it asked to reach): only ones that are a rule as
+        # they stand go into a line the user may copy.
+        rules = list(dict.fromkeys(preset_of(target) or target for target in targets if is_one_rule(target)))
+        if not rules:
+            return
+        self.out.text(f"sandbox-kernel: %egress allow {' '.join(rules)} permits "
+                      f"{'it' if len(targets) == 1 else 'them'}\n", name="stderr")
 
-    async def _set_rules(self, rules: list[str]) -> None:
+    async def _set_rules(self, rules: list[str], note: str = "") -> None:
         view: EgressView = await self.session.set_egress(rules)
-        self.out.text(f"egress: {describe_rules(view.egress or [])}\n")
+        self.out.text(f"egress: {describe_rules(view.egress or [])}{note}\n")
 
 
 def checked(rules: list[str]) -> list[str]:
     """Validated before any request, with a one-line reason naming the bad rule."""
     try:
-        normalized = egress_rules.validate(rules)
+        normalized = egress_rules.validate(egress_rules.expand_presets(rules))
     except egress_rules.EgressRuleError as exc:
         raise MagicError(f"%egress: {exc}") from None
     # CreateOS accepts a bare word as a host rule, but typed in a magic it is almost always
@@ -516,6 +524,19 @@ def checked(rules: list[str]) -> list[str]:
         raise MagicError(f"%egress: {' '.join(repr(w) for w in words)} is not a rule: give a full host "
                          "name (example.com), host:port, an IP address or a CIDR")
     return normalized
+
+
+def preset_of(target: str) -> str | None:
+    """The preset whose rules allow `target` (host:port as refused), so the hint names the
+    whole index rather than the one host of it that this cell happened to try first."""
+    return next((name for name, rules in egress_rules.PRESETS.items() if target.lower() in rules), None)
+
+
+def is_one_rule(target: str) -> bool:
+    try:
+        return egress_rules.normalize(target) == target.lower()
+    except egress_rules.EgressRuleError:
+        return False
 
 
 def is_bare_word(rule: str) -> bool:
