@@ -26,6 +26,7 @@ from sandbox_kernel.api import (
     SandboxClient,
     SandboxStatus,
 )
+from sandbox_kernel import egress_rules
 from sandbox_kernel.local.egress_gate import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -132,6 +133,52 @@ def test_rules_change_live_and_refusals_are_reported(kc: BlockingKernelClient, s
     out(kc, "%egress block-all")
     assert out(kc, f"print(fetch({a}))").startswith("HTTP 403")
     out(kc, f"%egress only 127.0.0.1:{a}")
+
+
+def test_refusals_are_named_after_any_cell_with_one_line_to_permit_them(
+        kc: BlockingKernelClient, servers: tuple[int, int]) -> None:
+    a, b = servers
+    out(kc, FETCH)
+    quiet = execute(kc, f"print(fetch({a}))")
+    assert quiet.text() == "A\n" and quiet.text("stderr") == "", "no refusal, no line"
+    # urllib alone says only "403 Forbidden" (requests: "Tunnel connection failed: 403"); the
+    # kernel says which destination and why, after a cell that is not pip, failed or not.
+    closed = b + 1 if b + 1 != a else b + 2
+    refused = execute(kc, "import urllib.request\n"
+                          f"print(fetch({b}))\n"
+                          f"urllib.request.urlopen('http://{HOST_ALIAS}:{closed}/', timeout=10)")
+    assert refused.text().startswith("HTTP 403"), refused.outputs  # the refusals really happened
+    assert refused.of_type("error"), "the cell failed on the second refusal"
+    lines = refused.text("stderr").splitlines()
+    assert lines == [f"sandbox-kernel: egress refused {HOST_ALIAS}:{closed}: no rule allows {HOST_ALIAS}:{closed}",
+                     f"sandbox-kernel: egress refused {HOST_ALIAS}:{b}: no rule allows {HOST_ALIAS}:{b}",
+                     f"sandbox-kernel: %egress allow {HOST_ALIAS}:{b} {HOST_ALIAS}:{closed} permits them"], lines
+    assert execute(kc, f"print(fetch({a}))").text("stderr") == "", "each refusal is named once"
+
+
+def test_a_preset_allows_a_package_index_and_narrowing_says_so(kc: BlockingKernelClient,
+                                                                 servers: tuple[int, int]) -> None:
+    a, _ = servers
+    index = egress_rules.PRESETS["pypi"]
+    out(kc, FETCH)
+    try:
+        out(kc, "%egress block-all")
+        # a refused host of a preset is hinted as the preset: one allow, not one per failed install
+        host, port = index[0].split(":")
+        hinted = execute(kc, "import urllib.request\ntry:\n"
+                             f"    urllib.request.urlopen('https://{host}:{port}/', timeout=10)\n"
+                             "except OSError as exc:\n    print('refused:', exc)")
+        assert hinted.text().startswith("refused:"), hinted.outputs  # it tried, through the proxy
+        assert "sandbox-kernel: %egress allow pypi permits it" in hinted.text("stderr"), hinted.outputs
+        out(kc, "%egress open")
+        narrowed = out(kc, "%egress allow pypi")
+        assert narrowed == (f"egress: only {', '.join(index)} (was: all public destinations; "
+                            "every other destination is now refused)\n")
+        widened = out(kc, f"%egress allow 127.0.0.1:{a}")  # adding to a list: no note
+        assert widened == f"egress: only {', '.join(index)}, 127.0.0.1:{a}\n"
+        assert out(kc, f"%egress deny pypi") == f"egress: only 127.0.0.1:{a}\n"
+    finally:
+        out(kc, f"%egress only 127.0.0.1:{a}")
 
 
 def test_bad_rules_are_refused_before_any_request(kc: BlockingKernelClient, servers: tuple[int, int]) -> None:
