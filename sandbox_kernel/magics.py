@@ -319,9 +319,19 @@ class SandboxMagics:
         rows = [(v.id + (" (this notebook)" if v.id == self.session.sandbox_id else ""),
                  f"{names.display_name(v)}, {v.status.value}, {v.shape or '?'}, {describe_age(v.created_at)} old"
                  + (f", forked from {v.forked_from}" if v.forked_from else "")
-                 + f", owner: {ownership.describe_owner(v.id, v.name)}")
+                 + f", owner: {ownership.describe_owner(v.id, v.name)}" + self._outlives(v.id))
                 for v in views]
         self.out.display(table(rows))
+
+    def _outlives(self, sandbox_id: str) -> str:
+        """The mark of a sandbox that will still exist (and cost) after this notebook: kept
+        ones, and this notebook's own when its policy pauses or keeps them. At shutdown the
+        kernel's last words list them again, but JupyterLab shows no output then."""
+        if ownership.is_kept(sandbox_id):
+            return f"; KEPT: outlives its notebook (sandbox-kernel rm {sandbox_id} destroys it)"
+        if self.session.on_shutdown != "destroy" and ownership.owns(sandbox_id):
+            return f"; outlives this notebook (on shutdown: {self.session.on_shutdown})"
+        return ""
 
     async def do_pause(self, _: argparse.Namespace) -> None:
         await self._transition("Pausing", self.session.pause, "paused")
