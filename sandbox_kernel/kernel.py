@@ -17,6 +17,7 @@ import concurrent.futures
 import contextvars
 import json
 import logging
+import re
 import signal
 import sys
 import threading
@@ -41,7 +42,7 @@ from traitlets import Unicode
 
 from . import __version__, early_start, ownership, runner_protocol as protocol
 from .allocator import reuse_large_buffers
-from .api import SandboxAPIError
+from .api import SandboxAPIError, SandboxStatus
 from .config import ConfigError, Settings
 from .event_lines import stream_content
 from .history import open_history
@@ -60,6 +61,8 @@ HANDOFF_MAX_AGE = RESTART_HANDOFF_WAIT  # a restart hand-off older than this is 
 BOOT_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
 USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
+# A cell that only leaves (`exit` typed in jupyter console): see _leaves_a_paused_sandbox.
+EXIT_CELL = re.compile(r"\s*(exit|quit)(\(\))?\s*")
 # Bytes of debug events the sandbox may send between two debug requests of the frontend
 # (an honest debugger sends a few small events per step); the rest are dropped.
 DEBUG_EVENT_BUDGET = 4 * 1024 * 1024
@@ -329,6 +332,8 @@ class SandboxKernel(Kernel):
         except WaitInterrupted:
             return self._fail("KeyboardInterrupt", "interrupted: the sandbox is still starting; "
                               "run a cell when you want it")
+        if EXIT_CELL.fullmatch(code) and await self._best_effort(self._is_paused(session)):
+            return self._ok([{"source": "ask_exit", "keepkernel": False}])
         magics = SandboxMagics(session, out)
         payload: list[dict[str, Any]] = []
         segments = split_cell(code)
@@ -370,6 +375,13 @@ class SandboxKernel(Kernel):
             payload += reply["payload"]
             expressions = reply["user_expressions"]
         return self._ok(payload, expressions)
+
+    @staticmethod
+    async def _is_paused(session: SandboxSession) -> bool:
+        """Whether `exit` can end the frontend's session without running: resuming a paused
+        sandbox (seconds, and its running price) only to leave it helps nobody. One request,
+        for such cells only."""
+        return (await session.view()).status in (SandboxStatus.PAUSED, SandboxStatus.PAUSING)
 
     async def _count_refusals(self, session: SandboxSession, sandbox_id: str) -> None:
         """The count a sandbox's first cell starts from (an attached one has refusals already)."""

@@ -199,7 +199,8 @@ def describe_seconds(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
-def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost) -> list[tuple[str, str]]:
+def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost,
+                egress: list[str]) -> list[tuple[str, str]]:
     return [("id", view.id), ("name", names.display_name(view)), ("state", view.status.value),
             ("provider", provider),
             ("shape", f"{view.shape or '?'} ({view.vcpu} vCPU, {view.mem_mib} MiB)"),
@@ -209,7 +210,7 @@ def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost) -> li
             ("age", describe_age(view.created_at)), ("forked from", view.forked_from or "—"),
             ("auto-pause", f"after {describe_seconds(view.auto_pause_after_seconds)} idle"
              if view.auto_pause_after_seconds else "off"),
-            ("on shutdown", policy), ("cost so far", describe_cost(cost))]
+            ("egress", describe_rules(egress)), ("on shutdown", policy), ("cost so far", describe_cost(cost))]
 
 
 def describe_cost(cost: Cost) -> str:
@@ -217,12 +218,18 @@ def describe_cost(cost: Cost) -> str:
             f"paused {describe_seconds(cost.paused_seconds)})")
 
 
-def table(rows: list[tuple[str, str]]) -> dict[str, str]:
-    """A mime bundle: an HTML table for notebooks, aligned text for everything else."""
-    width = max(len(k) for k, _ in rows)
-    text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-    body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                   for k, v in rows)
+def table(rows: list[tuple[str, ...]]) -> dict[str, str]:
+    """A mime bundle: an HTML table for notebooks, aligned text for everything else. The
+    first column is the label; a row may have more cells than another (each column is as
+    wide as its widest cell that is not the last of its row)."""
+    columns = max(len(row) for row in rows)
+    widths = [max((len(row[i]) for row in rows if len(row) > i + 1), default=0) for i in range(columns)]
+    text = "\n".join("  ".join([*(f"{cell:<{widths[i]}}" for i, cell in enumerate(row[:-1])), row[-1]])
+                     for row in rows)
+    body = "".join("<tr>" + f"<th style='text-align:left'>{html.escape(row[0])}</th>"
+                   + "".join(f"<td>{html.escape(cell)}</td>" for cell in row[1:-1])
+                   + f"<td colspan='{columns - len(row) + 1}'>{html.escape(row[-1])}</td></tr>"
+                   for row in rows)
     return {"text/plain": text, "text/html": html_without_math(f"<table>{body}</table>")}
 
 
@@ -296,7 +303,8 @@ class SandboxMagics:
         cost = self.session.meter.cost(view.id)
         policy = (self.session.on_shutdown if ownership.owns(view.id)
                   else "keep (not this notebook's: it was attached or kept)")
-        self.out.display(table(status_rows(view, self.session.settings.description, policy, cost)))
+        egress = (await self.session.get_egress()).egress or []
+        self.out.display(table(status_rows(view, self.session.settings.description, policy, cost, egress)))
 
     async def do_cost(self, _: argparse.Namespace) -> None:
         costs = await self.session.costs()
@@ -454,10 +462,10 @@ class SandboxMagics:
 
     async def egress_show(self, _: argparse.Namespace) -> None:
         view = await self.session.get_egress()
-        rows = [("rules", describe_rules(view.egress or []))]
+        rows: list[tuple[str, ...]] = [("rules", describe_rules(view.egress or []))]
         if view.denied_count is not None:
             rows.append(("refused", f"{view.denied_count} connection(s)"))
-            rows += [(d.at[11:19], f"{d.host}:{d.port} — {d.reason}") for d in (view.denied or [])[-10:]]
+            rows += [(d.at[11:19], f"{d.host}:{d.port}", d.reason) for d in (view.denied or [])[-10:]]
         self.out.display(table(rows))
 
     async def egress_allow(self, args: argparse.Namespace) -> None:

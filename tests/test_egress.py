@@ -124,7 +124,7 @@ def test_rules_change_live_and_refusals_are_reported(kc: BlockingKernelClient, s
     assert out(kc, f"print(fetch({b}))").startswith("HTTP 403")
     shown = execute(kc, "%egress").of_type("display_data")[0]["data"]["text/plain"]
     assert shown.splitlines()[0].split(None, 1) == ["rules", f"only 127.0.0.1:{a}"]
-    assert f"{HOST_ALIAS}:{b} — no rule allows" in shown
+    assert f"{HOST_ALIAS}:{b}  no rule allows" in shown
 
     opened = execute(kc, "%egress open")
     assert "every public destination is now reachable" in opened.text("stderr")
@@ -154,6 +154,22 @@ def test_refusals_are_named_after_any_cell_with_one_line_to_permit_them(
                      f"sandbox-kernel: egress refused {HOST_ALIAS}:{b}: no rule allows {HOST_ALIAS}:{b}",
                      f"sandbox-kernel: %egress allow {HOST_ALIAS}:{b} {HOST_ALIAS}:{closed} permits them"], lines
     assert execute(kc, f"print(fetch({a}))").text("stderr") == "", "each refusal is named once"
+
+
+def test_the_rules_table_lines_up_and_status_shows_the_rules(kc: BlockingKernelClient,
+                                                              servers: tuple[int, int]) -> None:
+    a, b = servers
+    out(kc, FETCH)
+    out(kc, f"print(fetch({b}), fetch(9))")  # two refusals, destinations of different lengths
+    shown = execute(kc, "%egress").of_type("display_data")[0]["data"]["text/plain"].splitlines()
+    refusals = [line for line in shown if f"{HOST_ALIAS}:" in line][-2:]
+    assert [line.split()[1] for line in refusals] == [f"{HOST_ALIAS}:{b}", f"{HOST_ALIAS}:9"]
+    # each column starts at the same place on every line: label, destination, reason
+    assert len({line.index(HOST_ALIAS) for line in refusals}) == 1, shown
+    assert len({line.index("no rule allows") for line in refusals}) == 1, shown
+    assert len({len(line) - len(line.split(None, 1)[1]) for line in (shown[0], shown[1], refusals[0])}) == 1, shown
+    status = execute(kc, "%sandbox status").of_type("display_data")[0]["data"]["text/plain"]
+    assert f"egress       only 127.0.0.1:{a}\n" in status, status
 
 
 def test_a_preset_allows_a_package_index_and_narrowing_says_so(kc: BlockingKernelClient,
