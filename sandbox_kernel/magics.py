@@ -516,8 +516,9 @@ class SandboxMagics:
             if where not in shown and len(shown) < SHOWN_REFUSALS:
                 shown.add(where)
                 self.out.text(f"sandbox-kernel: egress refused {where}: {denial.reason}\n", name="stderr")
-        # The names come from the sandbox (what it asked to reach): only ones that are a rule as
-        # they stand go into a line the user may copy.
+        # The names come from the sandbox (what it asked to reach): only a host or an address
+        # that is a rule as it stands goes into a line the user may copy (the engine's proxy
+        # already answers a CIDR or wildcard target with 400, unrecorded: this does not rely on it).
         rules = list(dict.fromkeys(preset_of(target) or target for target in targets if is_one_rule(target)))
         if not rules:
             return
@@ -551,10 +552,12 @@ def preset_of(target: str) -> str | None:
 
 
 def is_one_rule(target: str) -> bool:
+    """Whether `target` (host:port) is one destination as a rule: a host or an address."""
     try:
-        return egress_rules.normalize(target) == target.lower()
+        rule = egress_rules.parse(target)
     except egress_rules.EgressRuleError:
         return False
+    return rule.kind in ("host", "ip") and str(rule) == target.lower()
 
 
 def is_bare_word(rule: str) -> bool:
