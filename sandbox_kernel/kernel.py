@@ -169,6 +169,8 @@ class SandboxKernel(Kernel):
         # Per sandbox, how many connections its egress rules had refused at the end of the last
         # cell; None where the provider does not count them (CreateOS). See _name_refusals.
         self.refusals_seen: dict[str, int | None] = {}
+        # Per sandbox, the engine stream's count of refusals when refusals_seen was taken.
+        self.refusals_hinted: dict[str, int | None] = {}
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -368,7 +370,7 @@ class SandboxKernel(Kernel):
                 fields["user_expressions"] = user_expressions
             reply = await self._run_code(session, segment.text, silent or not segment.text,
                                          store_history and bool(segment.text), out, fields)
-            if sandbox_id is not None and self.refusals_seen.get(sandbox_id) is not None:
+            if sandbox_id is not None and self._refusals_may_have_changed(session, sandbox_id):
                 await self._best_effort(self._name_refusals(session, sandbox_id, magics))
             if reply["status"] != "ok":
                 return reply
@@ -385,15 +387,27 @@ class SandboxKernel(Kernel):
 
     async def _count_refusals(self, session: SandboxSession, sandbox_id: str) -> None:
         """The count a sandbox's first cell starts from (an attached one has refusals already)."""
+        self.refusals_hinted[sandbox_id] = session.egress_refusals_hint()
         self.refusals_seen[sandbox_id] = (await session.get_egress()).denied_count
+
+    def _refusals_may_have_changed(self, session: SandboxSession, sandbox_id: str) -> bool:
+        """Whether to ask the engine for refusals after a cell. Never where the provider does
+        not count them (CreateOS: its first answer said so). The local engine's stream tells
+        the count ahead of a cell's output (local/processes.py), so a cell without refusals
+        costs no request; without that word (no channel), one GET a cell (~1.3 ms locally,
+        a round trip to a remote engine)."""
+        if self.refusals_seen.get(sandbox_id) is None:
+            return False
+        hint = session.egress_refusals_hint()
+        return hint is None or hint != self.refusals_hinted.get(sandbox_id)
 
     async def _name_refusals(self, session: SandboxSession, sandbox_id: str, magics: SandboxMagics) -> None:
         """After a cell's code: name the connections the egress rules refused meanwhile, whatever
-        the client (its own message is at best '403 Forbidden'). That is one request for the
-        rules after each cell where the provider counts refusals (the local engine: a loopback
-        GET, ~1-2 ms); where it does not (CreateOS), the first answer said so and there is none."""
+        the client (its own message is at best '403 Forbidden')."""
+        hint = session.egress_refusals_hint()
         view = await session.get_egress()
         before, self.refusals_seen[sandbox_id] = self.refusals_seen[sandbox_id], view.denied_count
+        self.refusals_hinted[sandbox_id] = hint
         if before is not None and view.denied_count is not None:
             magics.show_refusals(view, before)
 

@@ -352,6 +352,13 @@ class SandboxSession:
         if old is not None and not await old.close():
             self.relays_to_end.setdefault(old_sandbox, []).append(old)
 
+    def egress_refusals_hint(self) -> int | None:
+        """The engine's count of egress refusals as its stream last said (None: no such word,
+        e.g. on CreateOS or without a channel). Only a cue to ask: see channel.py."""
+        if self.channel is None or self.channel_sandbox != self.sandbox_id:
+            return None
+        return self.channel.egress_refusals
+
     async def _background_event(self, event: dict[str, Any]) -> None:
         if self.on_background is not None:
             await self.on_background(event)

@@ -18,6 +18,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 from engine_helpers import wait_status
+from fault_proxy import proxied_engine
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel.api import (
     BadRequestError,
@@ -154,6 +155,29 @@ def test_refusals_are_named_after_any_cell_with_one_line_to_permit_them(
                      f"sandbox-kernel: egress refused {HOST_ALIAS}:{b}: no rule allows {HOST_ALIAS}:{b}",
                      f"sandbox-kernel: %egress allow {HOST_ALIAS}:{b} {HOST_ALIAS}:{closed} permits them"], lines
     assert execute(kc, f"print(fetch({a}))").text("stderr") == "", "each refusal is named once"
+
+
+def test_a_cell_without_refusals_costs_no_request(kernelspec: str, engine: EngineEndpoint, servers: tuple[int, int],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's stream says when the refusal count moved (ahead of the cell's output), so
+    the kernel asks for the refusals only then: through a proxy that counts the requests (a
+    remote engine, where each request is a round trip)."""
+    a, b = servers
+    with proxied_engine(engine, monkeypatch) as proxy, \
+            running_kernel(kernelspec, extra_arguments=[f"--SandboxKernel.egress=127.0.0.1:{a}"]) as (_, kc):
+        out(kc, FETCH)
+
+        def egress_requests() -> int:
+            return sum(line.startswith(b"GET ") and b"/egress " in line for line in proxy.request_lines)
+
+        before = egress_requests()
+        for _ in range(5):
+            assert execute(kc, f"print(fetch({a}))").text("stderr") == ""
+        assert egress_requests() == before, "no request for cells without refusals"
+        refused = execute(kc, f"print(fetch({b}))")
+        assert refused.text().startswith("HTTP 403")
+        assert f"sandbox-kernel: egress refused {HOST_ALIAS}:{b}" in refused.text("stderr"), refused.outputs
+        assert egress_requests() == before + 1
 
 
 def test_the_rules_table_lines_up_and_status_shows_the_rules(kc: BlockingKernelClient,
