@@ -191,9 +191,10 @@ class RunnerChannel:
         self._last_words = ""  # the relay's {"error": ...} line, before it exits
         self._reader: asyncio.Task[None] | None = None
         self._acks: set[asyncio.Task[None]] = set()
-        # The engine's count of egress refusals, from its heartbeats (None: it sends none). The
-        # sandbox can forge frames, so this only says when to ask the engine for the refusals.
-        self.egress_refusals: int | None = None
+        # The engine's count of egress refusals, from its heartbeats (local/processes.py), which
+        # it sends when the count moves: 0 until then. The sandbox can forge frames, so this
+        # only says when to ask the engine for the refusals.
+        self.egress_refusals = 0
 
     @property
     def alive(self) -> bool:

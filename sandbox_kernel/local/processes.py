@@ -99,11 +99,12 @@ def _refusals(sandbox: LocalSandbox) -> int:
 
 
 def _refusals_frame(count: int) -> bytes:
-    """A heartbeat carrying how many connections the sandbox's egress rules refused so far
-    (a local engine extension, which clients ignore): the kernel learns of a cell's
-    refusals ahead of its output, without asking after every cell. The proxy counts a
-    refusal before it answers it, so output the refused client printed after it comes
-    after this frame."""
+    """A heartbeat carrying how many connections the sandbox's egress rules refused so far,
+    sent when that moved since the stream opened or last said it (a local engine extension,
+    which clients ignore): the kernel learns of a cell's refusals ahead of its output,
+    without asking after every cell. The proxy counts a refusal before it answers it, so
+    output the refused client printed after it comes after this frame. (A count that moved
+    while no stream was open is told with the next move.)"""
     return (json.dumps({"type": "heartbeat", "egress_denied_count": count}) + "\n").encode()
 
 
@@ -140,7 +141,6 @@ async def _relay(sandbox: LocalSandbox, frames: AsyncIterator[bytes],
     ended = False
     refused = _refusals(sandbox)
     try:
-        yield _refusals_frame(refused)
         while True:
             try:
                 line = queue.get_nowait()
