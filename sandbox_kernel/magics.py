@@ -226,9 +226,12 @@ def table(rows: list[tuple[str, ...]]) -> dict[str, str]:
     widths = [max((len(row[i]) for row in rows if len(row) > i + 1), default=0) for i in range(columns)]
     text = "\n".join("  ".join([*(f"{cell:<{widths[i]}}" for i, cell in enumerate(row[:-1])), row[-1]])
                      for row in rows)
+    def last(row: tuple[str, ...]) -> str:  # a short row's last cell spans the columns it lacks
+        span = columns - len(row) + 1
+        return (f"<td colspan='{span}'>" if span > 1 else "<td>") + f"{html.escape(row[-1])}</td>"
+
     body = "".join("<tr>" + f"<th style='text-align:left'>{html.escape(row[0])}</th>"
-                   + "".join(f"<td>{html.escape(cell)}</td>" for cell in row[1:-1])
-                   + f"<td colspan='{columns - len(row) + 1}'>{html.escape(row[-1])}</td></tr>"
+                   + "".join(f"<td>{html.escape(cell)}</td>" for cell in row[1:-1]) + last(row) + "</tr>"
                    for row in rows)
     return {"text/plain": text, "text/html": html_without_math(f"<table>{body}</table>")}
 
