@@ -61,7 +61,7 @@ HANDOFF_MAX_AGE = RESTART_HANDOFF_WAIT  # a restart hand-off older than this is 
 BOOT_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
 USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
-# A cell that only leaves (`exit` typed in jupyter console): see _leaves_a_paused_sandbox.
+# A cell that only leaves (`exit` typed in jupyter console): see _is_paused.
 EXIT_CELL = re.compile(r"\s*(exit|quit)(\(\))?\s*")
 # Bytes of debug events the sandbox may send between two debug requests of the frontend
 # (an honest debugger sends a few small events per step); the rest are dropped.

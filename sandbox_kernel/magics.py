@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import html
 import posixpath
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -226,6 +225,7 @@ def table(rows: list[tuple[str, ...]]) -> dict[str, str]:
     widths = [max((len(row[i]) for row in rows if len(row) > i + 1), default=0) for i in range(columns)]
     text = "\n".join("  ".join([*(f"{cell:<{widths[i]}}" for i, cell in enumerate(row[:-1])), row[-1]])
                      for row in rows)
+
     def last(row: tuple[str, ...]) -> str:  # a short row's last cell spans the columns it lacks
         span = columns - len(row) + 1
         return (f"<td colspan='{span}'>" if span > 1 else "<td>") + f"{html.escape(row[-1])}</td>"

@@ -156,8 +156,9 @@ async def _relay(sandbox: LocalSandbox, frames: AsyncIterator[bytes],
             ended = line.startswith(EXIT_FRAME)
             if line.startswith(DATA_FRAME):
                 sandbox.touch()
-                if _refusals(sandbox) != refused:  # before the output that came after them
-                    refused = _refusals(sandbox)
+                now = _refusals(sandbox)
+                if now != refused:  # before the output that came after them
+                    refused = now
                     yield _refusals_frame(refused)
             yield line
         if not ended:
