@@ -191,6 +191,10 @@ class RunnerChannel:
         self._last_words = ""  # the relay's {"error": ...} line, before it exits
         self._reader: asyncio.Task[None] | None = None
         self._acks: set[asyncio.Task[None]] = set()
+        # The engine's count of egress refusals, from its heartbeats (local/processes.py), which
+        # it sends when the count moves: 0 until then. The sandbox can forge frames, so this
+        # only says when to ask the engine for the refusals.
+        self.egress_refusals = 0
 
     @property
     def alive(self) -> bool:
@@ -323,6 +327,8 @@ class RunnerChannel:
     async def _take(self, frame: ProcessFrame) -> bool:
         """Handle one frame; True once the relay has exited."""
         kind = frame.type.value
+        if kind == "heartbeat" and frame.egress_denied_count is not None:
+            self.egress_refusals = frame.egress_denied_count
         if kind == "error":
             raise ProtocolError(f"error frame: {frame.error}")
         if kind == "exit":

@@ -118,6 +118,15 @@ def probe_createos(settings: Settings) -> tuple[bool, str]:
     return True, f"  ✓ {settings.base_url}: reachable, the key is accepted ({count} sandbox(es))"
 
 
+def usage_panel_line() -> str:
+    """JupyterLab's kernel usage panel (the sandbox's CPU and memory) comes with a package
+    of its own, which a first hour does not know it needs."""
+    if importlib.util.find_spec("jupyter_resource_usage") is not None:
+        return "✓ jupyter-resource-usage: JupyterLab's kernel usage panel shows the sandbox's CPU and memory"
+    return ("- jupyter-resource-usage not installed: for JupyterLab's kernel usage panel, "
+            "pip install jupyter-resource-usage")
+
+
 def report() -> tuple[bool, list[str]]:
     lines = [f"sandbox-kernel doctor — {platform.system()} {platform.release()}, "
              f"Python {platform.python_version()} ({sys.executable})"]
@@ -176,6 +185,10 @@ def report() -> tuple[bool, list[str]]:
     for module in ("IPython", "matplotlib", "matplotlib_inline"):
         found = importlib.util.find_spec(module) is not None
         lines.append(f"  {'✓' if found else '-'} {module}{'' if found else ' not installed'}")
+
+    lines.append("")
+    lines.append("frontend extras (this environment):")
+    lines.append("  " + usage_panel_line())
 
     from .local.service import read_endpoint
 

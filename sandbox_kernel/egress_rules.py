@@ -42,8 +42,11 @@ Malformed rules raise :class:`EgressRuleError`, whose ``str()`` is one line nami
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import os
 import re
+import urllib.parse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Union
@@ -54,7 +57,9 @@ __all__ = [
     "Rule",
     "add",
     "DENY_ALL",
+    "presets",
     "decide",
+    "expand_presets",
     "is_allow_all",
     "is_deny_all",
     "missing",
@@ -78,6 +83,27 @@ _PORT = re.compile(r"[0-9]+")
 _SHARED = ipaddress.IPv4Network("100.64.0.0/10")
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 _GENERIC = "not a host name, IP address or CIDR"
+
+
+
+@functools.cache
+def presets() -> dict[str, tuple[str, ...]]:
+    """Named rule sets, for the magic's `%egress allow NAME`: a package index is more than one
+    host (its pages, its file host), and a client refused one of them fails without naming the
+    next, so allowing them one refusal at a time took one failed install per host.
+
+    `pypi` is the index pip on this machine uses: the one set in PIP_INDEX_URL and
+    PIP_EXTRA_INDEX_URL (a company mirror), else pip's own default index and file host, as pip
+    itself names them (no host is spelled here). Without pip, there is no such preset."""
+    configured = " ".join(os.environ.get(name, "") for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL")).split()
+    hosts = [urllib.parse.urlsplit(url).netloc.rpartition("@")[2] for url in configured]
+    if not hosts:
+        try:
+            from pip._internal.models.index import PyPI  # pip's default index, as pip names it
+        except ImportError:
+            return {}
+        hosts = [PyPI.netloc, PyPI.file_storage_domain]
+    return {"pypi": tuple(dict.fromkeys(host if ":" in host else f"{host}:443" for host in hosts if host))}
 
 
 class EgressRuleError(ValueError):
@@ -268,6 +294,14 @@ def validate(rules: Sequence[str] | None) -> list[str]:
         norm = normalize(rule)
         if norm not in out:
             out.append(norm)
+    return out
+
+
+def expand_presets(rules: Iterable[str]) -> list[str]:
+    """The rules with each preset name (:func:`presets`) replaced by its rules, in place."""
+    out: list[str] = []
+    for rule in rules:
+        out.extend(presets().get(rule, (rule,)) if isinstance(rule, str) else (rule,))
     return out
 
 

@@ -17,6 +17,7 @@ import concurrent.futures
 import contextvars
 import json
 import logging
+import re
 import signal
 import sys
 import threading
@@ -41,17 +42,17 @@ from traitlets import Unicode
 
 from . import __version__, early_start, ownership, runner_protocol as protocol
 from .allocator import reuse_large_buffers
-from .api import SandboxAPIError
+from .api import SandboxAPIError, SandboxStatus
 from .config import ConfigError, Settings
 from .event_lines import stream_content
 from .history import open_history
-from .magics import PIP_COMMAND, MagicError, SandboxMagics, Segment, split_cell
+from .magics import MagicError, SandboxMagics, Segment, split_cell
 from .output import CellOutput, OutputGuard
 from .output_safety import OutputFilter
 from .paths import handoff_path, state_dir, write_private
 from .session import RESTART_HANDOFF_WAIT, SandboxSession, SessionError
 from .shutdown_policy import farewell
-from .usage import usage_reply
+from .usage import LOADING, unknown_usage, usage_reply
 
 log = logging.getLogger("sandbox_kernel.kernel")
 
@@ -64,6 +65,8 @@ BOOT_SHUTDOWN_WAIT = 2.0
 REPLY_SHUTDOWN_WAIT = 2.0
 KERNEL_INFO_WAIT = 10.0
 USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
+# A cell that only leaves (`exit` typed in jupyter console): see _is_paused.
+EXIT_CELL = re.compile(r"\s*(exit|quit)(\(\))?\s*")
 # Bytes of debug events the sandbox may send between two debug requests of the frontend
 # (an honest debugger sends a few small events per step); the rest are dropped.
 DEBUG_EVENT_BUDGET = 4 * 1024 * 1024
@@ -179,6 +182,11 @@ class SandboxKernel(Kernel):
         # execute_requests handled and not answered yet, on any thread (see do_shutdown).
         self.unanswered = 0
         self.unanswered_lock = threading.Lock()
+        # Per sandbox, how many connections its egress rules had refused at the end of the last
+        # cell; None where the provider does not count them (CreateOS). See _name_refusals.
+        self.refusals_seen: dict[str, int | None] = {}
+        # Per sandbox, the engine stream's count of refusals when refusals_seen was taken.
+        self.refusals_hinted: dict[str, int | None] = {}
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -365,6 +373,8 @@ class SandboxKernel(Kernel):
         except WaitInterrupted:
             return self._fail("KeyboardInterrupt", "interrupted: the sandbox is still starting; "
                               "run a cell when you want it")
+        if EXIT_CELL.fullmatch(code) and await self._best_effort(self._is_paused(session)):
+            return self._ok([{"source": "ask_exit", "keepkernel": False}])
         magics = SandboxMagics(session, out, self.output_filter)
         payload: list[dict[str, Any]] = []
         segments = split_cell(code)
@@ -388,8 +398,10 @@ class SandboxKernel(Kernel):
                                       "service carries on; `%sandbox status` and `%sandbox list` show "
                                       "where it got to")
                 continue
-            watch = PIP_COMMAND.search(segment.text) is not None
-            refused_before = await self._best_effort(magics.refusals_so_far()) if watch else None
+            # A silent execution (a frontend's own) shows nothing: its refusals go with the next cell.
+            sandbox_id = None if silent else session.sandbox_id
+            if sandbox_id is not None and sandbox_id not in self.refusals_seen:
+                await self._best_effort(self._count_refusals(session, sandbox_id))
             fields: dict[str, Any] = {"allow_stdin": allow_stdin, "parent_msg_id": self._parent_msg_id()}
             if self.subshell_id() is not None:
                 fields[protocol.SUBSHELL_ID] = self.subshell_id()
@@ -397,13 +409,46 @@ class SandboxKernel(Kernel):
                 fields["user_expressions"] = user_expressions
             reply = await self._run_code(session, segment.text, silent or not segment.text,
                                          store_history and bool(segment.text), out, fields)
-            if refused_before is not None:
-                await self._best_effort(magics.show_refusals_since(refused_before))
+            if sandbox_id is not None and self._refusals_may_have_changed(session, sandbox_id):
+                await self._best_effort(self._name_refusals(session, sandbox_id, magics))
             if reply["status"] != "ok":
                 return reply
             payload += reply["payload"]
             expressions = reply["user_expressions"]
         return self._ok(payload, expressions)
+
+    @staticmethod
+    async def _is_paused(session: SandboxSession) -> bool:
+        """Whether `exit` can end the frontend's session without running: resuming a paused
+        sandbox (seconds, and its running price) only to leave it helps nobody. One request,
+        for such cells only."""
+        return (await session.view()).status in (SandboxStatus.PAUSED, SandboxStatus.PAUSING)
+
+    async def _count_refusals(self, session: SandboxSession, sandbox_id: str) -> None:
+        """The count a sandbox's first cell starts from (an attached one has refusals already)."""
+        self.refusals_hinted[sandbox_id] = session.egress_refusals_hint()
+        self.refusals_seen[sandbox_id] = (await session.get_egress()).denied_count
+
+    def _refusals_may_have_changed(self, session: SandboxSession, sandbox_id: str) -> bool:
+        """Whether to ask the engine for refusals after a cell. Never where the provider does
+        not count them (CreateOS: its first answer said so). The local engine's stream tells
+        the count ahead of a cell's output (local/processes.py), so a cell without refusals
+        costs no request; without that word (no channel), one GET a cell (~1.3 ms locally,
+        a round trip to a remote engine)."""
+        if self.refusals_seen.get(sandbox_id) is None:
+            return False
+        hint = session.egress_refusals_hint()
+        return hint is None or hint != self.refusals_hinted.get(sandbox_id)
+
+    async def _name_refusals(self, session: SandboxSession, sandbox_id: str, magics: SandboxMagics) -> None:
+        """After a cell's code: name the connections the egress rules refused meanwhile, whatever
+        the client (its own message is at best '403 Forbidden')."""
+        hint = session.egress_refusals_hint()
+        view = await session.get_egress()
+        before, self.refusals_seen[sandbox_id] = self.refusals_seen[sandbox_id], view.denied_count
+        self.refusals_hinted[sandbox_id] = hint
+        if before is not None and view.denied_count is not None:
+            magics.show_refusals(view, before)
 
     async def _run_code(self, session: SandboxSession, code: str, silent: bool,
                         store_history: bool, out: CellOutput, fields: dict[str, Any]) -> dict[str, Any]:
@@ -562,17 +607,21 @@ class SandboxKernel(Kernel):
 
     async def usage_request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
         """JupyterLab's kernel usage panel: the sandbox's CPU and memory (not this process's),
-        in the fields of ipykernel's usage_reply; empty while there is no sandbox to ask."""
+        in the fields of ipykernel's usage_reply; without a sample, the same fields (null) and
+        the reason (usage.unknown_usage)."""
         try:
             content = await self._on_main_loop(asyncio.wait_for(self._sandbox_usage(), USAGE_WAIT))
+        except asyncio.TimeoutError:
+            content = unknown_usage("timeout", timeout_ms=int(USAGE_WAIT * 1000))  # the panel's word for it
         except Exception as exc:
             log.warning("usage: %s", exc)
-            content = {}
+            content = unknown_usage("the sandbox did not answer")
         self.session.send(stream, "usage_reply", content, parent, ident=ident)
 
     async def _sandbox_usage(self) -> dict[str, Any]:
         if not self._sandbox_ready():
-            return {}
+            failed = self.boot is not None and self.boot.done() and self.boot.exception() is not None
+            return unknown_usage("no sandbox: it did not start" if failed else LOADING)
         assert self.sandbox is not None
         sample = await self.sandbox.runner_request({protocol.OP: protocol.USAGE})
         sandbox_id = self.sandbox.sandbox_id or ""

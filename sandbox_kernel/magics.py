@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import html
 import posixpath
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -36,9 +35,7 @@ DOWNLOAD = "%download"
 # CreateOS has no deny-all token (an empty list allows all): one rule that matches nothing
 # useful, a port on a documentation-only address (RFC 5737), stands for "block all".
 BLOCK_ALL = egress_rules.DENY_ALL
-SHOWN_REFUSALS = 3  # egress refusals named after a pip command, at most
-# A cell that runs pip: afterwards the kernel names the egress refusals it caused.
-PIP_COMMAND = re.compile(r"(^|[\s!%;(])pip3?\s|-m\s+pip\b", re.MULTILINE)
+SHOWN_REFUSALS = 3  # egress refusals named with their reason after a cell, at most
 HELP = """\
 %sandbox — manage this notebook's sandbox (handled by the kernel, not run in the sandbox)
 
@@ -89,6 +86,7 @@ EGRESS_HELP = """\
 
 A RULE is host, host:port, *.domain (subdomains), an IPv4/IPv6 address or a CIDR, e.g.
 example.com  api.example.com:443  *.example.org  127.0.0.1:8000  10.0.0.0/8
+or a preset: pypi (the Python package index and its file host, for pip).
 Changes apply to the next connection; an empty list means every public destination.
 """
 
@@ -208,7 +206,8 @@ def describe_seconds(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
-def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost) -> list[tuple[str, str]]:
+def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost,
+                egress: list[str]) -> list[tuple[str, str]]:
     return [("id", view.id), ("name", names.display_name(view)), ("state", view.status.value),
             ("provider", provider),
             ("shape", f"{view.shape or '?'} ({view.vcpu} vCPU, {view.mem_mib} MiB)"),
@@ -218,7 +217,7 @@ def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost) -> li
             ("age", describe_age(view.created_at)), ("forked from", view.forked_from or "—"),
             ("auto-pause", f"after {describe_seconds(view.auto_pause_after_seconds)} idle"
              if view.auto_pause_after_seconds else "off"),
-            ("on shutdown", policy), ("cost so far", describe_cost(cost))]
+            ("egress", describe_rules(egress)), ("on shutdown", policy), ("cost so far", describe_cost(cost))]
 
 
 def describe_cost(cost: Cost) -> str:
@@ -226,12 +225,22 @@ def describe_cost(cost: Cost) -> str:
             f"paused {describe_seconds(cost.paused_seconds)})")
 
 
-def table(rows: list[tuple[str, str]]) -> dict[str, str]:
-    """A mime bundle: an HTML table for notebooks, aligned text for everything else."""
-    width = max(len(k) for k, _ in rows)
-    text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-    body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                   for k, v in rows)
+def table(rows: list[tuple[str, ...]]) -> dict[str, str]:
+    """A mime bundle: an HTML table for notebooks, aligned text for everything else. The
+    first column is the label; a row may have more cells than another (each column is as
+    wide as its widest cell that is not the last of its row)."""
+    columns = max(len(row) for row in rows)
+    widths = [max((len(row[i]) for row in rows if len(row) > i + 1), default=0) for i in range(columns)]
+    text = "\n".join("  ".join([*(f"{cell:<{widths[i]}}" for i, cell in enumerate(row[:-1])), row[-1]])
+                     for row in rows)
+
+    def last(row: tuple[str, ...]) -> str:  # a short row's last cell spans the columns it lacks
+        span = columns - len(row) + 1
+        return (f"<td colspan='{span}'>" if span > 1 else "<td>") + f"{html.escape(row[-1])}</td>"
+
+    body = "".join("<tr>" + f"<th style='text-align:left'>{html.escape(row[0])}</th>"
+                   + "".join(f"<td>{html.escape(cell)}</td>" for cell in row[1:-1]) + last(row) + "</tr>"
+                   for row in rows)
     return {"text/plain": text, "text/html": html_without_math(f"<table>{body}</table>")}
 
 
@@ -306,7 +315,8 @@ class SandboxMagics:
         cost = self.session.meter.cost(view.id)
         policy = (self.session.on_shutdown if ownership.owns(view.id)
                   else "keep (not this notebook's: it was attached or kept)")
-        rows = status_rows(view, self.session.settings.description, policy, cost)
+        egress = (await self.session.get_egress()).egress or []
+        rows = status_rows(view, self.session.settings.description, policy, cost, egress)
         rows.append(("output", "trusted: shown unchanged, scripts run" if self.output_filter.trusted
                      else "filtered: scripts and active HTML held back or isolated"))
         self.out.display(table(rows))
@@ -332,9 +342,19 @@ class SandboxMagics:
         rows = [(v.id + (" (this notebook)" if v.id == self.session.sandbox_id else ""),
                  f"{names.display_name(v)}, {v.status.value}, {v.shape or '?'}, {describe_age(v.created_at)} old"
                  + (f", forked from {v.forked_from}" if v.forked_from else "")
-                 + f", owner: {ownership.describe_owner(v.id, v.name)}")
+                 + f", owner: {ownership.describe_owner(v.id, v.name)}" + self._outlives(v.id))
                 for v in views]
         self.out.display(table(rows))
+
+    def _outlives(self, sandbox_id: str) -> str:
+        """The mark of a sandbox that will still exist (and cost) after this notebook: kept
+        ones, and this notebook's own when its policy pauses or keeps them. At shutdown the
+        kernel's last words list them again, but JupyterLab shows no output then."""
+        if ownership.is_kept(sandbox_id):
+            return f"; KEPT: outlives its notebook (sandbox-kernel rm {sandbox_id} destroys it)"
+        if self.session.on_shutdown != "destroy" and ownership.owns(sandbox_id):
+            return f"; outlives this notebook (on shutdown: {self.session.on_shutdown})"
+        return ""
 
     async def do_pause(self, _: argparse.Namespace) -> None:
         await self._transition("Pausing", self.session.pause, "paused")
@@ -475,18 +495,21 @@ class SandboxMagics:
 
     async def egress_show(self, _: argparse.Namespace) -> None:
         view = await self.session.get_egress()
-        rows = [("rules", describe_rules(view.egress or []))]
+        rows: list[tuple[str, ...]] = [("rules", describe_rules(view.egress or []))]
         if view.denied_count is not None:
             rows.append(("refused", f"{view.denied_count} connection(s)"))
-            rows += [(d.at[11:19], f"{d.host}:{d.port} — {d.reason}") for d in (view.denied or [])[-10:]]
+            rows += [(d.at[11:19], f"{d.host}:{d.port}", d.reason) for d in (view.denied or [])[-10:]]
         self.out.display(table(rows))
 
     async def egress_allow(self, args: argparse.Namespace) -> None:
         current = (await self.session.get_egress()).egress or []
         if current and current != [BLOCK_ALL]:  # the server's list is normalized: [] is allow-all
             await self._set_rules(egress_rules.add(current, checked(args.rules)))
-        else:  # from "all public" (or block-all), allowing these means: only these
+        elif current:  # from block-all, allowing these means: only these
             await self._set_rules(checked(args.rules))
+        else:  # from all public destinations, the same, which narrows: say so
+            await self._set_rules(checked(args.rules), note=" (was: all public destinations; "
+                                  "every other destination is now refused)")
 
     async def egress_deny(self, args: argparse.Namespace) -> None:
         gone = checked(args.rules)
@@ -511,32 +534,39 @@ class SandboxMagics:
                       "(the host, private and link-local addresses still need a rule)\n", name="stderr")
         await self._set_rules([])
 
-    async def refusals_so_far(self) -> int | None:
-        """How many connections the egress rules refused so far (None where the provider does
-        not say: CreateOS)."""
-        return (await self.session.get_egress()).denied_count
-
-    async def show_refusals_since(self, before: int | None) -> None:
-        """Name the refusals since `before`: pip, for one, hides a refused index behind 'no
-        matching distribution'."""
-        if before is None:
-            return
-        view = await self.session.get_egress()
+    def show_refusals(self, view: EgressView, before: int) -> None:
+        """Name the refusals the view has since `before`, then one line that would permit them
+        all: a client shows little of why (pip says 'no matching distribution', urllib
+        'Tunnel connection failed: 403 Forbidden')."""
         new = (view.denied_count or 0) - before
-        for denial in (view.denied or [])[-min(new, SHOWN_REFUSALS):] if new > 0 else []:
+        recent = (view.denied or [])[-new:] if new > 0 else []
+        targets = list(dict.fromkeys(f"{denial.host}:{denial.port}" for denial in recent))
+        if not targets:
+            return
+        shown: set[str] = set()
+        for denial in reversed(recent):  # the last reason of each destination, at most SHOWN_REFUSALS
             where = f"{denial.host}:{denial.port}"
-            self.out.text(f"sandbox-kernel: egress refused {where}: {denial.reason} "
-                          f"(%egress allow {where} permits it)\n", name="stderr")
+            if where not in shown and len(shown) < SHOWN_REFUSALS:
+                shown.add(where)
+                self.out.text(f"sandbox-kernel: egress refused {where}: {denial.reason}\n", name="stderr")
+        # The names come from the sandbox (what it asked to reach): only a host or an address
+        # that is a rule as it stands goes into a line the user may copy (the engine's proxy
+        # already answers a CIDR or wildcard target with 400, unrecorded: this does not rely on it).
+        rules = list(dict.fromkeys(preset_of(target) or target for target in targets if is_one_rule(target)))
+        if not rules:
+            return
+        self.out.text(f"sandbox-kernel: %egress allow {' '.join(rules)} permits "
+                      f"{'it' if len(targets) == 1 else 'them'}\n", name="stderr")
 
-    async def _set_rules(self, rules: list[str]) -> None:
+    async def _set_rules(self, rules: list[str], note: str = "") -> None:
         view: EgressView = await self.session.set_egress(rules)
-        self.out.text(f"egress: {describe_rules(view.egress or [])}\n")
+        self.out.text(f"egress: {describe_rules(view.egress or [])}{note}\n")
 
 
 def checked(rules: list[str]) -> list[str]:
     """Validated before any request, with a one-line reason naming the bad rule."""
     try:
-        normalized = egress_rules.validate(rules)
+        normalized = egress_rules.validate(egress_rules.expand_presets(rules))
     except egress_rules.EgressRuleError as exc:
         raise MagicError(f"%egress: {exc}") from None
     # CreateOS accepts a bare word as a host rule, but typed in a magic it is almost always
@@ -546,6 +576,21 @@ def checked(rules: list[str]) -> list[str]:
         raise MagicError(f"%egress: {' '.join(repr(w) for w in words)} is not a rule: give a full host "
                          "name (example.com), host:port, an IP address or a CIDR")
     return normalized
+
+
+def preset_of(target: str) -> str | None:
+    """The preset whose rules allow `target` (host:port as refused), so the hint names the
+    whole index rather than the one host of it that this cell happened to try first."""
+    return next((name for name, rules in egress_rules.presets().items() if target.lower() in rules), None)
+
+
+def is_one_rule(target: str) -> bool:
+    """Whether `target` (host:port) is one destination as a rule: a host or an address."""
+    try:
+        rule = egress_rules.parse(target)
+    except egress_rules.EgressRuleError:
+        return False
+    return rule.kind in ("host", "ip") and str(rule) == target.lower()
 
 
 def is_bare_word(rule: str) -> bool:

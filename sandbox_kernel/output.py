@@ -60,9 +60,13 @@ class ProgressLine:
         self.out.display({"text/plain": text}, self.display_id, metadata=KERNEL_METADATA)
 
     def __call__(self, detail: str) -> None:
-        """Show progress after the headline, e.g. '(pausing, 3 s)' or 'resumed in 0.1 s'."""
-        if self.out.in_place or not TICK.fullmatch(detail):
+        """Show progress after the headline, e.g. '(pausing, 3 s)' or 'resumed in 0.1 s'. A
+        terminal prints each update as a line of its own, under the headline: there the
+        detail alone (the headline again would say "resuming…" twice)."""
+        if self.out.in_place:
             self.update(f"{self.headline} {detail}")
+        elif not TICK.fullmatch(detail):
+            self.update(detail)
 
     def update(self, text: str) -> None:
         self.out.display({"text/plain": text}, self.display_id, update=self.out.in_place,

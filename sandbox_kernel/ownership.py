@@ -125,6 +125,13 @@ def owns(sandbox_id: str) -> bool:
     return record is not None and record.owner == os.getpid()
 
 
+def is_kept(sandbox_id: str) -> bool:
+    """Whether the user handed the sandbox off (keep): it outlives every notebook."""
+    with _locked() as folder:
+        record = _read(folder, sandbox_id)
+    return record is not None and record.kept
+
+
 def owned_here() -> list[str]:
     """The sandboxes this kernel owns."""
     me = os.getpid()

@@ -2318,8 +2318,9 @@ def _cpu_ticks() -> tuple[int, int]:
 
 
 def _meminfo() -> dict:
-    """MemTotal, MemAvailable and MemFree in bytes."""
-    wanted = {"MemTotal": "total", "MemAvailable": "available", "MemFree": "free"}
+    """MemTotal, MemAvailable, MemFree, Active and Inactive in bytes."""
+    wanted = {"MemTotal": "total", "MemAvailable": "available", "MemFree": "free",
+              "Active": "active", "Inactive": "inactive"}
     found = {}
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:

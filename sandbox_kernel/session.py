@@ -363,6 +363,14 @@ class SandboxSession:
         if old is not None and not await old.close():
             self.relays_to_end.setdefault(old_sandbox, []).append(old)
 
+    def egress_refusals_hint(self) -> int | None:
+        """The engine's count of egress refusals as its stream last said (None: no channel).
+        Only a cue to ask (channel.py); it means something only where the engine counts
+        refusals at all (its egress view has denied_count: the local engine)."""
+        if self.channel is None or self.channel_sandbox != self.sandbox_id:
+            return None
+        return self.channel.egress_refusals
+
     async def _background_event(self, event: dict[str, Any]) -> None:
         if self.on_background is not None:
             await self.on_background(event)

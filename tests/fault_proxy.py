@@ -83,6 +83,7 @@ class FaultProxy:
         self.held_deletes = 0
         self.transition: tuple[str, str] | None = None  # (sandbox id, status shown): hold_transition
         self.refused_in_transition = 0
+        self.request_lines: list[bytes] = []  # every request's first line, in order
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -130,6 +131,7 @@ class FaultProxy:
             while data := await client_r.read(65536):
                 if data[:8].split(b" ")[0] in (b"GET", b"POST", b"PUT", b"DELETE", b"PATCH"):
                     request_line = data.split(b"\r\n")[0]
+                    self.request_lines.append(request_line)
                     streams_output = b"stream=true" in request_line or CONNECT_REQUEST.match(request_line)
                     state.update(streaming=bool(streams_output), relayed=0, tail=b"",
                                  event_passed=bool(CONNECT_REQUEST.match(request_line)))

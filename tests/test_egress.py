@@ -18,6 +18,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 from engine_helpers import wait_status
+from fault_proxy import proxied_engine
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel.api import (
     BadRequestError,
@@ -26,6 +27,7 @@ from sandbox_kernel.api import (
     SandboxClient,
     SandboxStatus,
 )
+from sandbox_kernel import egress_rules
 from sandbox_kernel.local.egress_gate import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -123,7 +125,7 @@ def test_rules_change_live_and_refusals_are_reported(kc: BlockingKernelClient, s
     assert out(kc, f"print(fetch({b}))").startswith("HTTP 403")
     shown = execute(kc, "%egress").of_type("display_data")[0]["data"]["text/plain"]
     assert shown.splitlines()[0].split(None, 1) == ["rules", f"only 127.0.0.1:{a}"]
-    assert f"{HOST_ALIAS}:{b} — no rule allows" in shown
+    assert f"{HOST_ALIAS}:{b}  no rule allows" in shown
 
     opened = execute(kc, "%egress open")
     assert "every public destination is now reachable" in opened.text("stderr")
@@ -132,6 +134,91 @@ def test_rules_change_live_and_refusals_are_reported(kc: BlockingKernelClient, s
     out(kc, "%egress block-all")
     assert out(kc, f"print(fetch({a}))").startswith("HTTP 403")
     out(kc, f"%egress only 127.0.0.1:{a}")
+
+
+def test_refusals_are_named_after_any_cell_with_one_line_to_permit_them(
+        kc: BlockingKernelClient, servers: tuple[int, int]) -> None:
+    a, b = servers
+    out(kc, FETCH)
+    quiet = execute(kc, f"print(fetch({a}))")
+    assert quiet.text() == "A\n" and quiet.text("stderr") == "", "no refusal, no line"
+    # urllib alone says only "403 Forbidden" (requests: "Tunnel connection failed: 403"); the
+    # kernel says which destination and why, after a cell that is not pip, failed or not.
+    closed = b + 1 if b + 1 != a else b + 2
+    refused = execute(kc, "import urllib.request\n"
+                          f"print(fetch({b}))\n"
+                          f"urllib.request.urlopen('http://{HOST_ALIAS}:{closed}/', timeout=10)")
+    assert refused.text().startswith("HTTP 403"), refused.outputs  # the refusals really happened
+    assert refused.of_type("error"), "the cell failed on the second refusal"
+    lines = refused.text("stderr").splitlines()
+    assert lines == [f"sandbox-kernel: egress refused {HOST_ALIAS}:{closed}: no rule allows {HOST_ALIAS}:{closed}",
+                     f"sandbox-kernel: egress refused {HOST_ALIAS}:{b}: no rule allows {HOST_ALIAS}:{b}",
+                     f"sandbox-kernel: %egress allow {HOST_ALIAS}:{b} {HOST_ALIAS}:{closed} permits them"], lines
+    assert execute(kc, f"print(fetch({a}))").text("stderr") == "", "each refusal is named once"
+
+
+def test_a_cell_without_refusals_costs_no_request(kernelspec: str, engine: EngineEndpoint, servers: tuple[int, int],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's stream says when the refusal count moved (ahead of the cell's output), so
+    the kernel asks for the refusals only then: through a proxy that counts the requests (a
+    remote engine, where each request is a round trip)."""
+    a, b = servers
+    with proxied_engine(engine, monkeypatch) as proxy, \
+            running_kernel(kernelspec, extra_arguments=[f"--SandboxKernel.egress=127.0.0.1:{a}"]) as (_, kc):
+        out(kc, FETCH)
+
+        def egress_requests() -> int:
+            return sum(line.startswith(b"GET ") and b"/egress " in line for line in proxy.request_lines)
+
+        before = egress_requests()
+        for _ in range(5):
+            assert execute(kc, f"print(fetch({a}))").text("stderr") == ""
+        assert egress_requests() == before, "no request for cells without refusals"
+        refused = execute(kc, f"print(fetch({b}))")
+        assert refused.text().startswith("HTTP 403")
+        assert f"sandbox-kernel: egress refused {HOST_ALIAS}:{b}" in refused.text("stderr"), refused.outputs
+        assert egress_requests() == before + 1
+
+
+def test_the_rules_table_lines_up_and_status_shows_the_rules(kc: BlockingKernelClient,
+                                                              servers: tuple[int, int]) -> None:
+    a, b = servers
+    out(kc, FETCH)
+    out(kc, f"print(fetch({b}), fetch(9))")  # two refusals, destinations of different lengths
+    shown = execute(kc, "%egress").of_type("display_data")[0]["data"]["text/plain"].splitlines()
+    refusals = [line for line in shown if f"{HOST_ALIAS}:" in line][-2:]
+    assert [line.split()[1] for line in refusals] == [f"{HOST_ALIAS}:{b}", f"{HOST_ALIAS}:9"]
+    # each column starts at the same place on every line: label, destination, reason
+    assert len({line.index(HOST_ALIAS) for line in refusals}) == 1, shown
+    assert len({line.index("no rule allows") for line in refusals}) == 1, shown
+    assert len({len(line) - len(line.split(None, 1)[1]) for line in (shown[0], shown[1], refusals[0])}) == 1, shown
+    status = execute(kc, "%sandbox status").of_type("display_data")[0]["data"]["text/plain"]
+    assert f"egress       only 127.0.0.1:{a}\n" in status, status
+
+
+def test_a_preset_allows_a_package_index_and_narrowing_says_so(kc: BlockingKernelClient,
+                                                                 servers: tuple[int, int]) -> None:
+    a, _ = servers
+    index = egress_rules.presets()["pypi"]
+    out(kc, FETCH)
+    try:
+        out(kc, "%egress block-all")
+        # a refused host of a preset is hinted as the preset: one allow, not one per failed install
+        host, port = index[0].split(":")
+        hinted = execute(kc, "import urllib.request\ntry:\n"
+                             f"    urllib.request.urlopen('https://{host}:{port}/', timeout=10)\n"
+                             "except OSError as exc:\n    print('refused:', exc)")
+        assert hinted.text().startswith("refused:"), hinted.outputs  # it tried, through the proxy
+        assert "sandbox-kernel: %egress allow pypi permits it" in hinted.text("stderr"), hinted.outputs
+        out(kc, "%egress open")
+        narrowed = out(kc, "%egress allow pypi")
+        assert narrowed == (f"egress: only {', '.join(index)} (was: all public destinations; "
+                            "every other destination is now refused)\n")
+        widened = out(kc, f"%egress allow 127.0.0.1:{a}")  # adding to a list: no note
+        assert widened == f"egress: only {', '.join(index)}, 127.0.0.1:{a}\n"
+        assert out(kc, "%egress deny pypi") == f"egress: only 127.0.0.1:{a}\n"
+    finally:
+        out(kc, f"%egress only 127.0.0.1:{a}")
 
 
 def test_bad_rules_are_refused_before_any_request(kc: BlockingKernelClient, servers: tuple[int, int]) -> None:

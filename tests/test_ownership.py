@@ -144,6 +144,11 @@ def test_kept_sandboxes_outlive_the_notebook_and_are_listed_at_shutdown(kernelsp
     assert ok(execute(kc, "%sandbox keep kept-b")).text().startswith(f"Sandbox {child} (kept-b) is kept")
     assert ok(execute(kc, "%sandbox on-shutdown pause")).text() == \
         f"When this notebook shuts down, sandbox {parent} will be paused\n"
+    # What outlives the notebook is marked where the user looks (JupyterLab shows nothing at shutdown).
+    [shown] = ok(execute(kc, "%sandbox list")).of_type("display_data")
+    listed = {line.split()[0]: line for line in shown["data"]["text/plain"].splitlines()}
+    assert listed[child].endswith(f"; KEPT: outlives its notebook (sandbox-kernel rm {child} destroys it)")
+    assert listed[parent].endswith("; outlives this notebook (on shutdown: pause)")
     kc.shutdown()
     last_words = ""
     deadline = time.monotonic() + TIMEOUT

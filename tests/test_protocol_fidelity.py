@@ -251,19 +251,60 @@ def test_a_failing_repr_fails_the_cell_as_under_ipykernel(kc: BlockingKernelClie
 
 # -- 9. usage_request -------------------------------------------------------------------------
 
+PANEL_FIELDS = {"hostname", "pid", "kernel_cpu", "kernel_memory", "host_cpu_percent", "cpu_count",
+                "host_virtual_memory"}
+PANEL_MEMORY_FIELDS = {"active", "available", "free", "inactive", "percent", "total", "used"}
+
+
+def assert_has_the_panels_fields(usage: dict[str, Any]) -> None:
+    """What jupyter-resource-usage's kernel panel reads (it reads host_virtual_memory.active
+    unguarded: one reply without it breaks the panel for the page's life)."""
+    assert PANEL_FIELDS <= set(usage), usage
+    assert PANEL_MEMORY_FIELDS <= set(usage["host_virtual_memory"]), usage
+
+
 def test_usage_reply_measures_the_sandbox(kc: BlockingKernelClient) -> None:
     hostname = run(kc, "import os, socket\nprint(socket.gethostname())").text().strip()
-    control(kc, "usage_request", {})  # the first sample starts the CPU measurement
+    first = control(kc, "usage_request", {})["content"]  # the first sample starts the CPU measurement
+    assert_has_the_panels_fields(first)
+    assert "reason" not in first and first["host_cpu_percent"] is None, "not known before a second sample"
     run(kc, "ballast = b'x' * (200 * 2**20)")
     usage = control(kc, "usage_request", {})["content"]
+    assert_has_the_panels_fields(usage)
+    assert "reason" not in usage
     assert usage["hostname"] == hostname  # the sandbox's, not this machine's
     assert usage["pid"] == int(run(kc, "print(os.getpid())").text())
     assert usage["kernel_memory"] >= 200 * 2**20
-    assert usage["kernel_cpu"] >= 0 and usage["cpu_count"] >= 1
+    assert usage["kernel_cpu"] >= 0 and usage["cpu_count"] >= 1 and 0 <= usage["host_cpu_percent"] <= 100
     memory = usage["host_virtual_memory"]
     assert memory["total"] <= 1024 * 2**20, "the sandbox's memory (its shape's), not the host's"
     assert memory["used"] >= 200 * 2**20 and memory["used"] + memory["available"] == memory["total"]
     run(kc, "del ballast")
+
+
+def test_usage_reply_while_the_sandbox_starts_has_the_fields_and_says_loading(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The service answers the create with "retry after 4 s": the panel asks meanwhile.
+    slow_down = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+                 b"Retry-After: 4\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
+    with proxied_engine(engine, monkeypatch, create_replies=[slow_down]):
+        km = KernelManager(kernel_name=kernelspec)
+        km.start_kernel()
+        kc = km.client()
+        kc.start_channels()
+        try:
+            early = control(kc, "usage_request", {})["content"]
+            run(kc, "1")
+            later = control(kc, "usage_request", {})["content"]
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel()
+    assert_has_the_panels_fields(early)
+    # Nothing is known yet, and it says so (the panel shows "Loading…" for this reason).
+    assert early["reason"] == "loading"
+    assert early["kernel_memory"] is None and set(early["host_virtual_memory"].values()) == {None}
+    assert_has_the_panels_fields(later)
+    assert "reason" not in later and later["kernel_memory"] > 0 and later["host_virtual_memory"]["total"] > 0
 
 
 # -- execute on the control channel ---------------------------------------------------------
@@ -481,8 +522,14 @@ def test_usage_reply_takes_only_sane_numbers_from_the_sandbox() -> None:
     from sandbox_kernel.usage import usage_reply
 
     sample = {"hostname": "sb", "pid": 7, "kernel_cpu": float("nan"), "kernel_memory": "lots", "cpu_count": True,
-              "meminfo": {"total": 8 * 2**30, "available": 6 * 2**30}, "sandbox_processes_memory": 2**29}
-    assert usage_reply(sample, 2**30) == {"hostname": "sb", "pid": 7, "host_virtual_memory": {
-        "total": 2**30, "available": 2**29, "used": 2**29, "free": 2**29, "percent": 50.0}}
+              "meminfo": {"total": 8 * 2**30, "available": 6 * 2**30, "active": 2**30, "inactive": -1},
+              "sandbox_processes_memory": 2**29}
+    assert usage_reply(sample, 2**30) == {
+        "hostname": "sb", "pid": 7, "kernel_cpu": None, "kernel_memory": None, "cpu_count": None,
+        "host_cpu_percent": None, "host_virtual_memory": {
+            "total": 2**30, "available": 2**29, "used": 2**29, "free": 2**29, "percent": 50.0,
+            # the machine's LRU counts say nothing of a sandbox smaller than the machine
+            "active": None, "inactive": None}}
     # A sandbox that is the whole machine (a micro-VM): its own meminfo.
-    assert usage_reply(sample, 16 * 2**30)["host_virtual_memory"]["used"] == 2 * 2**30
+    whole = usage_reply(sample, 16 * 2**30)["host_virtual_memory"]
+    assert (whole["used"], whole["active"], whole["inactive"]) == (2 * 2**30, 2**30, None)

@@ -550,6 +550,8 @@ class ProcessFrame(WireModel):
     signal: Optional[str] = None
     error: Optional[str] = None
     oldest_available_seq: Optional[int] = None
+    # Local engine extension, on heartbeats: connections the egress rules refused so far.
+    egress_denied_count: Optional[int] = None
     _decoded: Optional[bytes] = PrivateAttr(default=None)  # never from the wire
 
     def with_data(self, data: bytes) -> ProcessFrame:

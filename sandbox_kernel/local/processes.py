@@ -93,6 +93,21 @@ async def call(engine: Engine, sandbox_id: str, op: str, body: bytes = b"", **fi
     return reply
 
 
+def _refusals(sandbox: LocalSandbox) -> int:
+    proxy = sandbox.gate.proxy if sandbox.gate else None
+    return proxy.denied_count if proxy else 0
+
+
+def _refusals_frame(count: int) -> bytes:
+    """A heartbeat carrying how many connections the sandbox's egress rules refused so far,
+    sent when that moved since the stream opened or last said it (a local engine extension,
+    which clients ignore): the kernel learns of a cell's refusals ahead of its output,
+    without asking after every cell. The proxy counts a refusal before it answers it, so
+    output the refused client printed after it comes after this frame. (A count that moved
+    while no stream was open is told with the next move.)"""
+    return (json.dumps({"type": "heartbeat", "egress_denied_count": count}) + "\n").encode()
+
+
 async def connect(engine: Engine, sandbox_id: str, process_id: str, after: int) -> AsyncIterator[bytes]:
     """The NDJSON lines of `connect?after=N`. Raises NotFound (etc.) before the first line,
     so the route can still answer an HTTP error; the stream is opened here."""
@@ -124,6 +139,7 @@ async def _relay(sandbox: LocalSandbox, frames: AsyncIterator[bytes],
 
     task = asyncio.get_running_loop().create_task(pump())
     ended = False
+    refused = _refusals(sandbox)
     try:
         while True:
             try:
@@ -140,6 +156,10 @@ async def _relay(sandbox: LocalSandbox, frames: AsyncIterator[bytes],
             ended = line.startswith(EXIT_FRAME)
             if line.startswith(DATA_FRAME):
                 sandbox.touch()
+                now = _refusals(sandbox)
+                if now != refused:  # before the output that came after them
+                    refused = now
+                    yield _refusals_frame(refused)
             yield line
         if not ended:
             yield (json.dumps({"type": "error", "error": "the sandbox ended before the process did"})
