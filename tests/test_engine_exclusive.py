@@ -165,6 +165,7 @@ def test_a_kernel_waits_for_a_stopped_engine_and_says_when_it_gives_up(tmp_path:
 async def test_twenty_kernels_starting_while_the_engine_is_stopped_share_it(
         kernelspec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state = tmp_path / "state"
+    state.mkdir()
     monkeypatch.setenv("SANDBOX_KERNEL_STATE_DIR", str(state))
     monkeypatch.delenv("CREATEOS_SANDBOX_API_KEY", raising=False)
     monkeypatch.delenv("CREATEOS_SANDBOX_BASE_URL", raising=False)

@@ -1,10 +1,10 @@
 """Running the local engine as a service, and finding (or starting) it from a kernel.
 
-One engine per state directory, for its whole life (engine_lock.py). It listens on a unix socket (state_dir/engine.sock,
-0600) and on a random loopback port, and writes where in state_dir/engine.json. Its
-token lives in state_dir/token (0600); every route but the public ones needs it in
-`X-Api-Key`, exactly as CreateOS needs its key. An engine started on demand exits after
-an idle period with no sandboxes.
+One engine per state directory, for its whole life (engine_lock.py). It listens on a
+unix socket (state_dir/engine.sock, 0600) and on a random loopback port, and writes where
+in state_dir/engine.json. Its token lives in state_dir/token (0600); every route but the
+public ones needs it in `X-Api-Key`, exactly as CreateOS needs its key. An engine started
+on demand exits after an idle period with no sandboxes.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import BinaryIO
 import httpx
 
 from ..paths import write_private
+from .engine_log import bound_if_redirected
 from .engine_lock import EngineLock, serving_engine
 
 log = logging.getLogger("sandbox_kernel.service")
@@ -35,6 +36,7 @@ log = logging.getLogger("sandbox_kernel.service")
 ENGINE_FILE = "engine.json"
 TOKEN_FILE = "token"
 SOCKET_FILE = "engine.sock"
+LOG_FILE = "engine.log"  # size-rotated by the engine itself (engine_log.py)
 START_TIMEOUT = 30.0  # for a new engine to take the state dir's lock
 ENGINE_WAIT = 60.0  # for a live engine to answer, before a kernel gives up (it never starts a second)
 SUN_PATH_MAX = 107
@@ -96,7 +98,7 @@ def ensure_engine(state_dir: Path, idle_timeout: float = 600.0) -> EngineEndpoin
             _start_engine(state_dir, idle_timeout)
         elif time.monotonic() > deadline:
             raise RuntimeError(f"the local engine (pid {serving.pid}) has not answered for {ENGINE_WAIT:.0f} s; "
-                               f"not starting a second one on {state_dir}: see {state_dir / 'engine.log'}")
+                               f"not starting a second one on {state_dir}: see {state_dir / LOG_FILE}")
         else:
             time.sleep(0.1)
     return endpoint
@@ -111,7 +113,7 @@ def _start_engine(state_dir: Path, idle_timeout: float) -> None:
         fcntl.flock(starting, fcntl.LOCK_EX)
         if serving_engine(state_dir) is not None:
             return
-        with open_private(state_dir / "engine.log") as log_file:
+        with open_private(state_dir / LOG_FILE) as log_file:
             process = subprocess.Popen(
                 [sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(state_dir),
                  "--idle-timeout", str(idle_timeout)],
@@ -120,7 +122,7 @@ def _start_engine(state_dir: Path, idle_timeout: float) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while serving_engine(state_dir) is None:
             if process.poll() is not None and serving_engine(state_dir) is None:
-                raise RuntimeError(f"the local engine failed to start; see {state_dir / 'engine.log'}")
+                raise RuntimeError(f"the local engine failed to start; see {state_dir / LOG_FILE}")
             if time.monotonic() > deadline:
                 process.kill()
                 raise RuntimeError(f"the local engine did not start within {START_TIMEOUT:.0f} s")
@@ -130,8 +132,8 @@ def _start_engine(state_dir: Path, idle_timeout: float) -> None:
 class EngineRestarting(httpx.AsyncBaseTransport):
     """The kernel's way to its local engine over the unix socket. When no engine answers
     there (it was stopped, killed or is being upgraded), it waits for the engine while it
-    lives and starts one in its place once it is gone (ensure_engine), and sends the request again where that is safe (below): the
-    new engine has taken the sandboxes over (registry.py), so the kernel carries on where it was."""
+    lives and starts one in its place once it is gone (ensure_engine), and sends the
+    request again where that is safe (below): a new engine has taken the sandboxes over (registry.py), so the kernel carries on where it was."""
 
     def __init__(self, socket_path: str, state_dir: Path, idle_timeout: float, engine_pid: int | None = None,
                  inner: httpx.AsyncBaseTransport | None = None) -> None:
@@ -243,6 +245,7 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     # past the removal of its socket and address below (which a successor would have
     # remade). `serve --state-dir NEW` makes the dir.
     lock = EngineLock.take(state_dir)
+    bound_if_redirected(state_dir / LOG_FILE)
     token = load_or_create_token(state_dir)
     engine = Engine(state_dir, lock)
     await engine.start_adopted()
