@@ -174,6 +174,36 @@ def forget(sandbox_id: str, name: str | None = None) -> None:
             (folder / f"{CREATING}{name}.json").unlink(missing_ok=True)
 
 
+# -- moving a record between this folder and another owner's (the warm pool's) ------------
+
+def take_from(record: Path, sandbox_id: str, carried: dict[str, object]) -> None:
+    """This kernel becomes the owner of a sandbox whose one record is `record`, outside this
+    folder (a warm pool member's): the record is rewritten as ours, then renamed in. A
+    rename is atomic, so at every moment the sandbox has exactly one record, there or here,
+    even if this kernel dies half-way (then gc finds it, either way). `carried`: the other
+    owner's fields, kept in the file so that its readers still understand it until the
+    rename. The caller holds the lock guarding `record`."""
+    me = os.getpid()
+    with _locked() as folder:
+        write_private(record, json.dumps({**carried, **asdict(Record(owner=me, users=[me]))}))
+        os.rename(record, folder / f"{sandbox_id}.json")
+
+
+def give_to(record: Path, sandbox_id: str, carried: dict[str, object]) -> None:
+    """The reverse of take_from: the sandbox's record here becomes `record` outside (a warm
+    pool member's), with the other owner's fields `carried`. The caller holds the lock
+    guarding `record`."""
+    with _locked() as folder:
+        ours = folder / f"{sandbox_id}.json"
+        try:
+            current = json.loads(ours.read_text())
+        except (OSError, ValueError):  # never recorded here
+            write_private(record, json.dumps(carried))
+            return
+        write_private(ours, json.dumps({**current, **carried}))
+        os.rename(ours, record)
+
+
 # -- sandboxes being created ---------------------------------------------------------------
 
 def creating(name: str) -> None:
