@@ -11,7 +11,9 @@ One 0600 record per sandbox, state_dir/owners/<sandbox id>.json:
   handoff_until  a restarting kernel's sandboxes wait this long for its successor
 A sandbox being created has no id yet: state_dir/owners/creating-<name>.json names it
 (kernels create with a name), so a kernel that dies or shuts down mid-create still leaves
-a trace `gc` follows. Sandboxes nobody on this machine recorded are never touched.
+a trace `gc` follows. A warm pool member's record lives in its pool (pool.py) and moves
+here, in one rename, when a kernel claims it: every sandbox made here has exactly one
+record at every moment. Sandboxes nobody on this machine recorded are never touched.
 Every read-modify-write holds an flock on state_dir/owners/.lock (several kernels share it).
 """
 
@@ -167,7 +169,7 @@ def await_successor(sandbox_ids: list[str], seconds: float) -> None:
 
 
 def forget(sandbox_id: str, name: str | None = None) -> None:
-    """The sandbox is gone (destroyed), or belongs to no kernel (a warm pool member)."""
+    """The sandbox is gone (destroyed)."""
     with _locked() as folder:
         (folder / f"{sandbox_id}.json").unlink(missing_ok=True)
         if name:

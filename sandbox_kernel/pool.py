@@ -11,12 +11,12 @@ one pool per key:
 
     state_dir/pool/<key>/lock               flock: claiming and reserving are atomic
     state_dir/pool/<key>/members/<id>.json  a ready member: {"created": unix time}
+    state_dir/pool/<key>/filling/<n>.json   a member being made: {"pid": maker}
 
 A member's record is its owner record (ownership.py) while it is pooled: claiming one
 renames it into the owners folder (and pooling one, or giving one back, renames it out),
 so every sandbox made here has exactly one owner record at every moment: the pool's, a
 kernel's, or kept.
-    state_dir/pool/<key>/filling/<n>.json   a member being made: {"pid": maker}
 
 Only the sandbox service is used (create, exec, upload, PATCH), so the pool works the
 same on CreateOS and the local engine. Waiting members carry a short auto-pause, so on
