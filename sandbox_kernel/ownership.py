@@ -11,7 +11,9 @@ One 0600 record per sandbox, state_dir/owners/<sandbox id>.json:
   handoff_until  a restarting kernel's sandboxes wait this long for its successor
 A sandbox being created has no id yet: state_dir/owners/creating-<name>.json names it
 (kernels create with a name), so a kernel that dies or shuts down mid-create still leaves
-a trace `gc` follows. Sandboxes nobody on this machine recorded are never touched.
+a trace `gc` follows. A warm pool member's record lives in its pool (pool.py) and moves
+here, in one rename, when a kernel claims it: every sandbox made here has exactly one
+record at every moment. Sandboxes nobody on this machine recorded are never touched.
 Every read-modify-write holds an flock on state_dir/owners/.lock (several kernels share it).
 """
 
@@ -174,11 +176,41 @@ def await_successor(sandbox_ids: list[str], seconds: float) -> None:
 
 
 def forget(sandbox_id: str, name: str | None = None) -> None:
-    """The sandbox is gone (destroyed), or belongs to no kernel (a warm pool member)."""
+    """The sandbox is gone (destroyed)."""
     with _locked() as folder:
         (folder / f"{sandbox_id}.json").unlink(missing_ok=True)
         if name:
             (folder / f"{CREATING}{name}.json").unlink(missing_ok=True)
+
+
+# -- moving a record between this folder and another owner's (the warm pool's) ------------
+
+def take_from(record: Path, sandbox_id: str, carried: dict[str, object]) -> None:
+    """This kernel becomes the owner of a sandbox whose one record is `record`, outside this
+    folder (a warm pool member's): the record is rewritten as ours, then renamed in. A
+    rename is atomic, so at every moment the sandbox has exactly one record, there or here,
+    even if this kernel dies half-way (then gc finds it, either way). `carried`: the other
+    owner's fields, kept in the file so that its readers still understand it until the
+    rename. The caller holds the lock guarding `record`."""
+    me = os.getpid()
+    with _locked() as folder:
+        write_private(record, json.dumps({**carried, **asdict(Record(owner=me, users=[me]))}))
+        os.rename(record, folder / f"{sandbox_id}.json")
+
+
+def give_to(record: Path, sandbox_id: str, carried: dict[str, object]) -> None:
+    """The reverse of take_from: the sandbox's record here becomes `record` outside (a warm
+    pool member's), with the other owner's fields `carried`. The caller holds the lock
+    guarding `record`."""
+    with _locked() as folder:
+        ours = folder / f"{sandbox_id}.json"
+        try:
+            current = json.loads(ours.read_text())
+        except (OSError, ValueError):  # never recorded here
+            write_private(record, json.dumps(carried))
+            return
+        write_private(ours, json.dumps({**current, **carried}))
+        os.rename(ours, record)
 
 
 # -- sandboxes being created ---------------------------------------------------------------

@@ -16,6 +16,11 @@ one pool per key:
     state_dir/pool/<key>/members/<id>.json  a ready member: {"created": unix time}
     state_dir/pool/<key>/filling/<n>.json   a member being made: {"pid": maker}
 
+A member's record is its owner record (ownership.py) while it is pooled: claiming one
+renames it into the owners folder (and pooling one, or giving one back, renames it out),
+so every sandbox made here has exactly one owner record at every moment: the pool's, a
+kernel's, or kept.
+
 Only the sandbox service is used (create, exec, upload, PATCH), so the pool works the
 same on CreateOS and the local engine. Waiting members carry a short auto-pause, so on
 CreateOS they stop using vCPU soon; claiming one resumes it. `sandbox-kernel ls` shows
@@ -33,7 +38,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +75,14 @@ def _pools_root(state: Path | None = None) -> Path:
 
 
 @dataclass(frozen=True)
+class Member:
+    """A ready sandbox of the pool, claimed: its id, and when it was made."""
+
+    sandbox_id: str
+    created: float
+
+
+@dataclass(frozen=True)
 class WarmPool:
     root: Path  # state_dir/pool/<key>
     size: int
@@ -95,13 +108,32 @@ class WarmPool:
                 entries.append((record.stat().st_mtime, record.stem))
         return [sandbox_id for _, sandbox_id in sorted(entries)]
 
-    def claim(self) -> str | None:
-        """Take one ready member out of the pool (never the same one twice), or None."""
+    def claim(self, tried: Collection[str] = ()) -> Member | None:
+        """Make this kernel the owner of one ready member (never one in `tried`, never the
+        same one twice), or None. Its record moves from the pool to this kernel's in one
+        rename (ownership.take_from): it never has no owner, nor two."""
         with self._locked():
             for sandbox_id in self.members():
-                (self.root / "members" / f"{sandbox_id}.json").unlink()
-                return sandbox_id
+                if sandbox_id in tried:
+                    continue
+                record = self._member_record(sandbox_id)
+                try:
+                    created = float(json.loads(record.read_text())["created"])
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue  # claimed meanwhile (or unreadable: gc's business)
+                ownership.take_from(record, sandbox_id, {"created": created})
+                return Member(sandbox_id, created)
         return None
+
+    def give_back(self, member: Member) -> None:
+        """A claimed member this kernel could not use, nor destroy: the pool's again (its
+        record moves back in one rename), for gc to destroy once stale if nobody can use it."""
+        with self._locked():
+            ownership.give_to(self._member_record(member.sandbox_id), member.sandbox_id,
+                              {"created": member.created})
+
+    def _member_record(self, sandbox_id: str) -> Path:
+        return self.root / "members" / f"{sandbox_id}.json"
 
     def _reserve(self) -> Path | None:
         """Reserve the making of one member if the pool (ready + being made) is short."""
@@ -130,12 +162,11 @@ class WarmPool:
                     raise
                 log.warning("could not top up the warm pool: %s", exc)  # never break the kernel
                 return made
-            write_private(self.root / "members" / f"{sandbox_id}.json",
-                          json.dumps({"created": time.time()}))
+            # The maker owned it while making it (so gc destroys it if the maker dies
+            # half-way); pooled, it belongs to the pool until a kernel claims it.
+            with self._locked():
+                ownership.give_to(self._member_record(sandbox_id), sandbox_id, {"created": time.time()})
             ticket.unlink(missing_ok=True)  # only now: the pool never looks short meanwhile
-            # The maker claimed it while making it (so gc destroys it if the maker dies
-            # half-way); pooled, it belongs to no kernel until one claims it.
-            ownership.forget(sandbox_id)
             made += 1
         return made
 

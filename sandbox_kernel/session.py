@@ -202,20 +202,43 @@ class SandboxSession:
         if not self.settings.warm_pool or self.settings.name:  # a pooled sandbox has its name already
             return False
         warm = pool.WarmPool.for_settings(self.settings, self.settings.warm_pool)
-        while (sandbox_id := warm.claim()) is not None:
+        tried: set[str] = set()
+        while (member := warm.claim(tried)) is not None:  # ours from here on (ownership.py)
+            tried.add(member.sandbox_id)
             try:
-                await self.attach(sandbox_id, fresh_runner=False)
-            except (SessionError, SandboxAPIError) as exc:  # e.g. destroyed behind our back
-                log.warning("warm pool sandbox %s is unusable (%s): trying another", sandbox_id, exc)
-                continue
-            ownership.own(sandbox_id)  # ours now, exactly as if we had created it
-            auto_pause = self.settings.auto_pause  # the member's was the pool's short one
+                await self._take_member(member.sandbox_id)
+                break
+            except (SessionError, SandboxAPIError, RuntimeError) as exc:  # e.g. destroyed behind our back
+                log.warning("warm pool sandbox %s is unusable (%s): trying another", member.sandbox_id, exc)
+                await self._drop_member(warm, member)
+        self._refill_pool_later()
+        return self.sandbox_id is not None
+
+    async def _take_member(self, sandbox_id: str) -> None:
+        """Drive a claimed member, with this kernel's auto-pause (the member's was the pool's
+        short one); on failure the session is left without it."""
+        await self.attach(sandbox_id, fresh_runner=False)
+        auto_pause = self.settings.auto_pause
+        try:
             await self._client().patch_sandbox(sandbox_id, PatchSandboxRequest(disable_auto_pause=True)
                                                if auto_pause is None else
                                                PatchSandboxRequest(auto_pause_after_seconds=auto_pause))
-            break
-        self._refill_pool_later()
-        return self.sandbox_id is not None
+        except BaseException:
+            self.sandbox_id, self.runner_info = None, {}
+            with contextlib.suppress(Exception):  # its relay: ended with the sandbox if not now
+                await self._stop_channel(kill=True)
+            raise
+
+    async def _drop_member(self, warm: pool.WarmPool, member: pool.Member) -> None:
+        """A claimed member this kernel cannot use is destroyed, or, if even that fails,
+        given back to the pool: never left without an owner."""
+        try:
+            await self.destroy(member.sandbox_id)
+        except NotFoundError:  # gone already
+            ownership.forget(member.sandbox_id)
+        except (SandboxAPIError, OSError, RuntimeError) as exc:
+            log.warning("could not destroy warm pool sandbox %s (%s): back to the pool", member.sandbox_id, exc)
+            warm.give_back(member)
 
     def _refill_pool_later(self) -> None:
         """Top the warm pool up in the background, if one is configured."""

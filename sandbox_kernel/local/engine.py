@@ -40,6 +40,7 @@ from .agent_client import (AgentClient, AgentConnections, AgentError, AgentUnava
 from .egress_gate import EgressGate
 from .signal_relay import SignalRelay
 from . import disk, registry, seccomp
+from .engine_lock import EngineLock
 from .access_tokens import AccessToken, digest
 from .catalog import HOST_PYTHON, UnknownRootfs, local_rootfs
 from .bwrap import STAGE, Handover, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
@@ -376,7 +377,11 @@ class LocalSandbox:
 
 
 class Engine:
-    def __init__(self, state_dir: Path, bwrap: str | None = None) -> None:
+    def __init__(self, state_dir: Path, lock: EngineLock, bwrap: str | None = None) -> None:
+        # Only the engine holding the state dir may take over or remove what an earlier
+        # engine left there (engine_lock.py): a second one would take live sandboxes.
+        if lock.state_dir != state_dir:
+            raise ValueError(f"the lock held is {lock.state_dir}'s, not {state_dir}'s")
         self.sandbox_root = state_dir / "sandboxes"
         self.sandbox_root.mkdir(mode=0o700, parents=True, exist_ok=True)
         raise_own_fd_limit()

@@ -1,10 +1,10 @@
 """Running the local engine as a service, and finding (or starting) it from a kernel.
 
-One engine per state directory. It listens on a unix socket (state_dir/engine.sock,
-0600) and on a random loopback port, and writes where in state_dir/engine.json. Its
-token lives in state_dir/token (0600); every route but the public ones needs it in
-`X-Api-Key`, exactly as CreateOS needs its key. An engine started on demand exits after
-an idle period with no sandboxes.
+One engine per state directory, for its whole life (engine_lock.py). It listens on a
+unix socket (state_dir/engine.sock, 0600) and on a random loopback port, and writes where
+in state_dir/engine.json. Its token lives in state_dir/token (0600); every route but the
+public ones needs it in `X-Api-Key`, exactly as CreateOS needs its key. An engine started
+on demand exits after an idle period with no sandboxes.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import httpx
 
 from ..paths import write_private
 from .engine_log import bound_if_redirected
+from .engine_lock import EngineLock, serving_engine
 
 log = logging.getLogger("sandbox_kernel.service")
 
@@ -36,7 +37,8 @@ ENGINE_FILE = "engine.json"
 TOKEN_FILE = "token"
 SOCKET_FILE = "engine.sock"
 LOG_FILE = "engine.log"  # size-rotated by the engine itself (engine_log.py)
-START_TIMEOUT = 30.0
+START_TIMEOUT = 30.0  # for a new engine to take the state dir's lock
+ENGINE_WAIT = 60.0  # for a live engine to answer, before a kernel gives up (it never starts a second)
 SUN_PATH_MAX = 107
 KEEP_ALIVE_SECONDS = 65
 
@@ -63,15 +65,17 @@ def load_or_create_token(state_dir: Path) -> str:
 
 
 def read_endpoint(state_dir: Path) -> EngineEndpoint | None:
-    """The engine recorded in state_dir, if its process is alive and it answers /healthz."""
+    """The engine serving state_dir (engine_lock.py), if it answers /healthz."""
     try:
         info = json.loads((state_dir / ENGINE_FILE).read_text())
         token = (state_dir / TOKEN_FILE).read_text().strip()
-        os.kill(info["pid"], 0)
-    except (FileNotFoundError, ValueError, KeyError, ProcessLookupError, PermissionError):
+    except (FileNotFoundError, ValueError):
+        return None
+    serving = serving_engine(state_dir)
+    if serving is None or info.get("pid") != serving.pid:  # an address left by an engine now gone
         return None
     endpoint = EngineEndpoint(url=info["url"], socket=info.get("socket"), token=token,
-                              pid=info["pid"])
+                              pid=serving.pid)
     try:
         # Plain http on loopback: verify=False only skips loading CA certificates (~40 ms).
         response = httpx.get(endpoint.url + "/healthz", timeout=2.0, trust_env=False, verify=False)
@@ -81,16 +85,34 @@ def read_endpoint(state_dir: Path) -> EngineEndpoint | None:
 
 
 def ensure_engine(state_dir: Path, idle_timeout: float = 600.0) -> EngineEndpoint:
-    """Return the running engine for state_dir, starting one in the background if needed.
+    """Return the engine serving state_dir, starting one in the background if none lives.
 
-    A lock file serialises this, so two kernels starting at once share one engine.
+    An engine that is alive (engine_lock.py) but does not answer yet (stopped, busy,
+    taking sandboxes over) is waited for, never replaced, up to ENGINE_WAIT: a second
+    engine would take the first one's sandboxes from under it.
     """
-    with open_private(state_dir / "engine.lock") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        endpoint = read_endpoint(state_dir)
-        if endpoint:
-            return endpoint
-        (state_dir / ENGINE_FILE).unlink(missing_ok=True)
+    deadline = time.monotonic() + ENGINE_WAIT
+    while (endpoint := read_endpoint(state_dir)) is None:
+        serving = serving_engine(state_dir)
+        if serving is None:
+            _start_engine(state_dir, idle_timeout)
+        elif time.monotonic() > deadline:
+            raise RuntimeError(f"the local engine (pid {serving.pid}) has not answered for {ENGINE_WAIT:.0f} s; "
+                               f"not starting a second one on {state_dir}: see {state_dir / LOG_FILE}")
+        else:
+            time.sleep(0.1)
+    return endpoint
+
+
+def _start_engine(state_dir: Path, idle_timeout: float) -> None:
+    """Start an engine for state_dir; return once one is recorded as serving it (ours, or
+    one started meanwhile by another kernel). A lock file makes kernels that start at
+    once start one engine, not one each."""
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open_private(state_dir / "engine.lock") as starting:
+        fcntl.flock(starting, fcntl.LOCK_EX)
+        if serving_engine(state_dir) is not None:
+            return
         with open_private(state_dir / LOG_FILE) as log_file:
             process = subprocess.Popen(
                 [sys.executable, "-m", "sandbox_kernel", "serve", "--state-dir", str(state_dir),
@@ -98,23 +120,20 @@ def ensure_engine(state_dir: Path, idle_timeout: float = 600.0) -> EngineEndpoin
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                 start_new_session=True)  # the engine outlives the kernel that started it
         deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError("the local engine failed to start; see "
-                                   f"{state_dir / LOG_FILE}")
-            endpoint = read_endpoint(state_dir)
-            if endpoint:
-                return endpoint
-            time.sleep(0.05)
-        process.kill()
-        raise RuntimeError(f"the local engine did not start within {START_TIMEOUT:.0f} s")
+        while serving_engine(state_dir) is None:
+            if process.poll() is not None and serving_engine(state_dir) is None:
+                raise RuntimeError(f"the local engine failed to start; see {state_dir / LOG_FILE}")
+            if time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"the local engine did not start within {START_TIMEOUT:.0f} s")
+            time.sleep(0.02)
 
 
 class EngineRestarting(httpx.AsyncBaseTransport):
     """The kernel's way to its local engine over the unix socket. When no engine answers
-    there (it was stopped, killed or is being upgraded), it starts one for the state dir,
-    as the kernel did at start, and sends the request again where that is safe (below): the
-    new engine has taken the sandboxes over (registry.py), so the kernel carries on where it was."""
+    there (it was stopped, killed or is being upgraded), it waits for the engine while it
+    lives and starts one in its place once it is gone (ensure_engine), and sends the
+    request again where that is safe (below): a new engine has taken the sandboxes over (registry.py), so the kernel carries on where it was."""
 
     def __init__(self, socket_path: str, state_dir: Path, idle_timeout: float, engine_pid: int | None = None,
                  inner: httpx.AsyncBaseTransport | None = None) -> None:
@@ -160,19 +179,19 @@ class EngineRestarting(httpx.AsyncBaseTransport):
 
 def stop_engine(state_dir: Path, timeout: float = 30.0) -> bool:
     """End the engine of state_dir, leaving its sandboxes running (or paused) for the next
-    one; False if none was running."""
-    endpoint = read_endpoint(state_dir)
-    if endpoint is None:
+    one; False if none was running. (Found by its record, not by asking it: an engine that
+    does not answer can be stopped too.)"""
+    serving = serving_engine(state_dir)
+    if serving is None:
         return False
-    from .registry import start_time
-
-    os.kill(endpoint.pid, signal.SIGTERM)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(serving.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if start_time(endpoint.pid) is None:  # gone (or a zombie its parent has yet to reap)
+        if serving_engine(state_dir) != serving:  # gone (or a zombie its parent has yet to reap)
             return True
         time.sleep(0.05)
-    raise RuntimeError(f"the local engine (pid {endpoint.pid}) did not stop within {timeout:.0f} s")
+    raise RuntimeError(f"the local engine (pid {serving.pid}) did not stop within {timeout:.0f} s")
 
 
 def _exit_after_cleanup(signum: int, _frame: object) -> None:
@@ -222,10 +241,13 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     # Everything the engine creates (sandbox dirs, logs, disk images) is its user's alone.
     # (The agent sets the usual 022 again for the sandbox's own files.)
     os.umask(0o077)
-    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # `serve --state-dir NEW` makes it
+    # Before anything an earlier engine left is looked at; held until this process ends,
+    # past the removal of its socket and address below (which a successor would have
+    # remade). `serve --state-dir NEW` makes the dir.
+    lock = EngineLock.take(state_dir)
     bound_if_redirected(state_dir / LOG_FILE)
     token = load_or_create_token(state_dir)
-    engine = Engine(state_dir)
+    engine = Engine(state_dir, lock)
     tcp = _listen_tcp(host, port)
     bound_host, bound_port = tcp.getsockname()[:2]
     # Known before any sandbox's egress opens, adopted ones included: no rule may open them.
@@ -273,3 +295,4 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
                 (state_dir / ENGINE_FILE).unlink()
         if unix:
             (state_dir / SOCKET_FILE).unlink(missing_ok=True)
+        lock.release()

@@ -297,8 +297,10 @@ async def test_a_cancelled_create_leaves_nothing_behind(tmp_path: Path) -> None:
     import asyncio
 
     from sandbox_kernel.local.engine import Engine
+    from sandbox_kernel.local.engine_lock import EngineLock
 
-    engine = Engine(tmp_path / "state")
+    lock = EngineLock.take(tmp_path / "state")
+    engine = Engine(tmp_path / "state", lock)
     creating = asyncio.ensure_future(engine.create(CreateSandboxRequest(shape="s-1vcpu-256mb", disk_mib=64)))
     for _ in range(3000):  # until its directory exists: the attack is mid-way
         if any(engine.sandbox_root.iterdir()):
@@ -318,3 +320,4 @@ async def test_a_cancelled_create_leaves_nothing_behind(tmp_path: Path) -> None:
         assert sandbox_pids(made[0].name) == []
     finally:
         await engine.close()
+        lock.release()
