@@ -114,7 +114,8 @@ def vendor_sandbox(vendor: Client) -> Iterator[SandboxInstance]:
 # The README's first test command runs the unit tests and these end-to-end tests: every area
 # at least once (kernel messages, widgets, magics, fork, egress, files, restart, the channel's
 # recovery, the engine, isolation attacks, limits, the vendor SDK, subshells, the debugger, the
-# pool, ownership, early start, papermill, a terminal and a browser frontend), so that one
+# pool, ownership, early start, papermill, a terminal and a browser frontend, what reaches the
+# page, a fork's agent, transitions and shutdown), so that one
 # change can be checked in minutes. The second command runs every other end-to-end test.
 QUICK = frozenset({
     "tests/test_kernel_messages.py::test_state_persists_and_execute_result_counts",
@@ -148,6 +149,10 @@ QUICK = frozenset({
     "tests/test_papermill.py::test_papermill_injects_parameters",
     "tests/test_console.py::test_jupyter_console_runs_cells",
     "tests/test_browser.py::test_jupyterlab_runs_a_cell_that_prints_and_plots",
+    "tests/security/test_output_attacks.py::test_output_that_would_run_in_the_page_is_withheld_or_isolated",
+    "tests/security/test_agent_socket_attacks.py::test_a_socket_planted_in_the_fork_does_not_answer_for_its_agent",
+    "tests/test_transition_races.py::test_a_cell_sent_while_the_sandbox_pauses_runs_once_it_can",
+    "tests/test_shutdown_replies.py::test_a_cell_sent_while_the_kernel_shuts_down_is_answered",
 })
 
 
