@@ -6,7 +6,9 @@ usage_request. Every message received is checked against the messaging spec (mes
 
 from __future__ import annotations
 
+import contextlib
 import queue
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -72,10 +74,11 @@ def test_the_ready_line_is_an_opt_in(kernelspec: str, monkeypatch: pytest.Monkey
         assert not [m for m in run(kc, "2").messages if is_status_line(m)]
 
 
-def test_a_slow_start_shows_progress_that_becomes_the_ready_line(
-        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    # CreateOS answers the create with "429, retry after 4 s" (progress shows after 2 s); the
-    # cell is sent at once, without waiting for kernel_info (which waits for the sandbox).
+@contextlib.contextmanager
+def slowly_starting_kernel(kernelspec: str, engine: EngineEndpoint,
+                           monkeypatch: pytest.MonkeyPatch) -> Iterator[BlockingKernelClient]:
+    """A kernel whose sandbox's create is answered "429, retry after 4 s" (as CreateOS may):
+    the kernel shows progress after 2 s, and requests come while the sandbox starts."""
     slow_down = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
                  b"Retry-After: 4\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
     with proxied_engine(engine, monkeypatch, create_replies=[slow_down]):
@@ -84,10 +87,17 @@ def test_a_slow_start_shows_progress_that_becomes_the_ready_line(
         kc = km.client()
         kc.start_channels()
         try:
-            first = run(kc, "print('ran')")
+            yield kc
         finally:
             kc.stop_channels()
             km.shutdown_kernel()
+
+
+def test_a_slow_start_shows_progress_that_becomes_the_ready_line(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The cell is sent at once, without waiting for kernel_info (which waits for the sandbox).
+    with slowly_starting_kernel(kernelspec, engine, monkeypatch) as kc:
+        first = run(kc, "print('ran')")
     lines = [m["content"] for m in first.messages if is_status_line(m)]
     assert lines[0]["data"]["text/plain"] == "Starting a sandbox on CreateOS…"
     assert "ready on CreateOS" in lines[-1]["data"]["text/plain"]
@@ -284,21 +294,11 @@ def test_usage_reply_measures_the_sandbox(kc: BlockingKernelClient) -> None:
 
 def test_usage_reply_while_the_sandbox_starts_has_the_fields_and_says_loading(
         kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The service answers the create with "retry after 4 s": the panel asks meanwhile.
-    slow_down = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
-                 b"Retry-After: 4\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
-    with proxied_engine(engine, monkeypatch, create_replies=[slow_down]):
-        km = KernelManager(kernel_name=kernelspec)
-        km.start_kernel()
-        kc = km.client()
-        kc.start_channels()
-        try:
-            early = control(kc, "usage_request", {})["content"]
-            run(kc, "1")
-            later = control(kc, "usage_request", {})["content"]
-        finally:
-            kc.stop_channels()
-            km.shutdown_kernel()
+    # The panel asks while the sandbox is still starting.
+    with slowly_starting_kernel(kernelspec, engine, monkeypatch) as kc:
+        early = control(kc, "usage_request", {})["content"]
+        run(kc, "1")
+        later = control(kc, "usage_request", {})["content"]
     assert_has_the_panels_fields(early)
     # Nothing is known yet, and it says so (the panel shows "Loading…" for this reason).
     assert early["reason"] == "loading"

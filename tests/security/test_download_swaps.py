@@ -16,7 +16,6 @@ sandbox made a file a directory.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,7 @@ import pytest
 from attack_helpers import ONCE
 from kernel_helpers import execute, running_kernel
 from memory_probe import memory_growth
-from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
-from sandbox_kernel.local.service import EngineEndpoint
+from sandbox_kernel.api import SandboxClient
 from sandbox_kernel.transfer import CHUNK, Listing, Transfer, TransferError
 
 pytestmark = [pytest.mark.slow, ONCE]
@@ -33,16 +31,6 @@ pytestmark = [pytest.mark.slow, ONCE]
 HUGE = 768 * 2**20
 # The kernel writes a download to disk as it arrives: it holds an HTTP read or so at a time.
 MEMORY_BOUND_MIB = 64
-
-
-@pytest.fixture
-async def sandbox(engine: EngineEndpoint) -> AsyncIterator[tuple[SandboxClient, str]]:
-    async with SandboxClient(engine.url, engine.token) as client:
-        created = await client.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-1gb"))
-        try:
-            yield client, created.id
-        finally:
-            await client.delete_sandbox(created.id)
 
 
 async def in_sandbox(client: SandboxClient, sandbox_id: str, code: str) -> str:

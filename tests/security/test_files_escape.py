@@ -7,34 +7,16 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from attack_helpers import ONCE
-from sandbox_kernel.api import (
-    BadRequestError,
-    CreateSandboxRequest,
-    NotFoundError,
-    SandboxAPIError,
-    SandboxClient,
-)
-from sandbox_kernel.local.service import EngineEndpoint
+from sandbox_kernel.api import BadRequestError, NotFoundError, SandboxAPIError
 
 pytestmark = [pytest.mark.slow, ONCE]
 
 HOST_PASSWD = Path("/etc/passwd").read_bytes()
-
-
-@pytest.fixture
-async def sandbox(engine: EngineEndpoint) -> AsyncIterator[tuple[SandboxClient, str]]:
-    async with SandboxClient(engine.url, engine.token) as client:
-        created = await client.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-1gb"))
-        try:
-            yield client, created.id
-        finally:
-            await client.delete_sandbox(created.id)
 
 
 @pytest.fixture
