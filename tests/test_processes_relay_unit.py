@@ -26,6 +26,7 @@ class CountingSandbox:
 
     def __init__(self) -> None:
         self.touches = 0
+        self.gate = None  # no egress proxy: no refusals to report
 
     def touch(self) -> None:
         self.touches += 1

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import QUICK
+from quick_set import QUICK
 
 
 def test_every_quick_test_is_collected() -> None:
