@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Never, TypeVar
 
 if __name__ == "__main__":
     # Started as a kernel: begin making the sandbox now, while ipykernel is imported
@@ -50,7 +50,7 @@ from .magics import MagicError, SandboxMagics, Segment, split_cell
 from .output import CellOutput, OutputGuard
 from .output_safety import OutputFilter
 from .paths import handoff_path, state_dir, write_private
-from .session import RESTART_HANDOFF_WAIT, SandboxSession, SessionError
+from .session import RESTART_HANDOFF_WAIT, RunnerDied, SandboxSession, SessionError
 from .shutdown_policy import farewell
 from .usage import LOADING, unknown_usage, usage_reply
 
@@ -460,6 +460,8 @@ class SandboxKernel(Kernel):
                 execution_count=self.cell_count() if not silent else None,
                 on_resume=lambda: out.progress(f"Sandbox {session.sandbox_id} was paused: resuming…"),
                 fields=fields)
+        except RunnerDied as exc:
+            await self._die_with_the_runner(str(exc))
         except SessionError as exc:
             return self._fail("SandboxError", str(exc))
         except SandboxAPIError as exc:
@@ -477,6 +479,28 @@ class SandboxKernel(Kernel):
             return self._ok(payload, self.output_filter.user_expressions(_user_expressions_of(done)))
         error = translate.last_error or {"ename": "Error", "evalue": "", "traceback": []}
         return {"status": "error", "execution_count": self.cell_count(), **error}
+
+    async def _die_with_the_runner(self, why: str) -> Never:
+        """The notebook's Python died: end this kernel process as a kernel whose Python dies
+        ends, so that every frontend knows the state is gone (JupyterLab restarts the kernel,
+        nbclient raises DeadKernelError). The cell says why; it gets no reply, as under
+        ipykernel. The sandbox is handed to the restarted kernel (the restart hand-off), which
+        starts a fresh Python in it: the files are kept; with no restart it is left to `gc`."""
+        log.warning("%s", why)
+        self._send_iopub("stream", {"name": "stderr", "text": f"sandbox-kernel: {why}\n"})
+        self.stopping = "restarting"
+        assert self.sandbox is not None
+        owned = await self.sandbox.close_for_restart()
+        if self.sandbox.sandbox_id:
+            self._write_handoff(self.sandbox.sandbox_id, self.sandbox.on_shutdown, owned)
+        # As ipykernel's shutdown_request ends the process: its loops stop, then atexit sends
+        # what IOPub still holds (the line above).
+        for stream in (self.control_stream, self.shell_stream):
+            if stream is not None:
+                stream.io_loop.add_callback(stream.io_loop.stop)
+        self.io_loop.add_callback(self.io_loop.stop)
+        await asyncio.Event().wait()  # this cell ends with the process
+        raise AssertionError("unreachable")
 
     async def _background_event(self, event: dict[str, Any]) -> None:
         """Runner output between cells: on the last cell's parent, within its output cap."""

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import secrets
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -79,6 +80,11 @@ Progress = Callable[[str], None]
 
 class SessionError(Exception):
     """Something the notebook user should read as one line."""
+
+
+class RunnerDied(SessionError):
+    """The runner (the notebook's Python) died: the kernel says why and restarts, keeping
+    the sandbox, as a frontend expects when a kernel's Python dies."""
 
 
 def runner_client(*args: str) -> list[str]:
@@ -336,8 +342,11 @@ class SandboxSession:
         # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
         # the shutdown of a daemon that is not there.
         stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({protocol.OP: protocol.SHUTDOWN}))])
+        # Under a shell that records how the daemon ended (its exit status; 128+N: signal N),
+        # in a file named by that shell's pid, so that a daemon stopped earlier cannot answer for it.
         start = ("" if new_sandbox else f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; ") + (
-            f"nohup setsid {SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR} "
+            f"nohup setsid sh -c '{SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR}; "
+            f"echo $? >{RUNNER_DIR}/runner.exit.$$' "
             f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
         # Readiness by short execs, none held longer than READY_PROBE (a gateway may cut
         # long ones); a runner that died (no python3, a crash) is reported at once. The
@@ -615,29 +624,40 @@ class SandboxSession:
             raise SessionError(str(exc)) from None
 
     async def _runner_died(self, exc: Exception) -> SessionError:
-        """Start a fresh runner, so the next cell works, and say why the old one died
-        (the memory limit, if the sandbox's OOM kill count went up) and what was lost."""
+        """Why the runner died, as a RunnerDied for the kernel to say before it restarts (as a
+        kernel whose Python dies is restarted): the memory limit, if the sandbox's OOM kill
+        count went up, else the signal or exit code its shell recorded. A sandbox that is
+        gone says so instead (no runner can start there again)."""
         log.warning("the runner died: %s", exc)
         seen = self.oom_kills.get(self.sandbox_id or "", 0)
         view = await self.view()
-        if view.status.is_gone:  # no runner can start there: say so, every cell
+        if view.status.is_gone:
             return _sandbox_gone(view)
-        try:
-            await self.start_runner()
-        except (RuntimeError, SandboxAPIError) as error:  # e.g. no process can start there now
-            with contextlib.suppress(SandboxAPIError):
-                view = await self.view()
-            if view.status.is_gone:  # destroyed while the new runner was starting
-                return _sandbox_gone(view)
-            return SessionError(f"the Python runner in the sandbox died ({exc}), and a new one "
-                                f"could not be started: {error}; the next cell tries again")
-        lost = "the runner restarted: variables and imports are gone, files are kept"
         if (view.oom_kills or 0) > seen:
-            return SessionError(f"cell killed: memory limit {view.mem_mib} MiB reached; {lost}")
-        return SessionError(f"the Python runner in the sandbox died ({exc}); {lost}")
+            cause = f"killed at the memory limit of {view.mem_mib} MiB"
+        else:
+            cause = await self._runner_exit() or str(exc)
+        return RunnerDied(f"the Python in the sandbox died ({cause}); the kernel restarts in the same "
+                          "sandbox: variables and imports are gone, files are kept")
+
+    async def _runner_exit(self) -> str | None:
+        """How the runner daemon ended, from its shell's record (written as it ends: waited
+        for briefly); None if unknown."""
+        exit_file = f"{RUNNER_DIR}/runner.exit.$(cat {RUNNER_DIR}/runner.pid)"
+        script = (f"i=0; while [ ! -f {exit_file} ] && [ $i -lt 100 ]; do sleep 0.01; i=$((i+1)); done; "
+                  f"cat {exit_file}")
+        try:
+            client, sandbox_id = self._require()
+            status = int((await client.exec(sandbox_id, "sh", ["-c", script])).result.stdout.strip())
+        except (SandboxAPIError, SessionError, ValueError) as exc:
+            log.warning("how the runner ended is not known: %s", exc)
+            return None
+        if status > 128 and (name := _signal_name(status - 128)):
+            return f"killed by {name}"
+        return f"exit code {status}"
 
     async def _channel_up(self) -> None:
-        """Before a request: a channel that ended is opened again (its runner died: a new one)."""
+        """Before a request: a channel that ended is opened again (its runner died: RunnerDied)."""
         channel = self.channel
         if channel is None or channel.alive or self.closing:
             return
@@ -729,6 +749,13 @@ class SandboxSession:
         if self.channel is not None:
             await self.channel.close(kill=kill)
             self.channel = None
+
+
+def _signal_name(number: int) -> str | None:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return None
 
 
 def _can_run_cells(status: SandboxStatus) -> bool:

@@ -1,31 +1,32 @@
-"""The memory limit seen from a notebook: one clear line, a fresh runner, the kernel alive."""
+"""The memory limit seen from a notebook: the Python killed at the limit is a kernel's death
+for the frontend (tests/test_runner_death.py), and the cell says it was the memory limit."""
 
 from __future__ import annotations
 
 import os
 
+import nbformat
 import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import DeadKernelError
 
-from kernel_helpers import execute, running_kernel
+from kernel_helpers import TIMEOUT
 from sandbox_kernel.local.limits import select as select_limiter
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     "memory" not in select_limiter().held_by_cgroups(), reason="no memory cgroup on this host")]
 
 
-def test_a_memory_bomb_ends_the_cell_with_one_line_and_the_next_cell_works(kernelspec: str) -> None:
-    env = {**os.environ, "SANDBOX_KERNEL_SHAPE": "s-1vcpu-256mb"}
-    with running_kernel(kernelspec, env=env) as (_, kc):
-        execute(kc, "x = 41")
-        bomb = execute(kc, "hog = b'x' * (512 << 20)\nprint('survived')")
-        assert bomb.reply["content"]["status"] == "error"
-        said = bomb.text("stderr") + bomb.text()
-        assert "survived" not in said
-        assert "cell killed: memory limit 256 MiB reached" in said
-        assert "restarted" in said  # and says the Python state is gone
-        after = execute(kc, "print('x' in globals(), 6 * 7)")
-        assert after.reply["content"]["status"] == "ok"
-        assert after.text() == "False 42\n"
-        assert "reached" not in execute(kc, "print(1)").text("stderr")  # said once, not again
-        [status] = execute(kc, "%sandbox status").of_type("display_data")
-        assert "\nlimits       memory 256 MiB (cgroup v" in status["data"]["text/plain"]
+def test_a_memory_bomb_is_a_dead_kernel_whose_cell_names_the_memory_limit(kernelspec: str) -> None:
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("%sandbox status"),
+        nbformat.v4.new_code_cell("hog = b'x' * (512 << 20)\nprint('survived')"),
+    ])
+    with pytest.raises(DeadKernelError):
+        NotebookClient(nb, kernel_name=kernelspec, timeout=TIMEOUT).execute(
+            env={**os.environ, "SANDBOX_KERNEL_SHAPE": "s-1vcpu-256mb"})
+    [status] = [output for output in nb.cells[0].outputs if output["output_type"] == "display_data"]
+    assert "\nlimits       memory 256 MiB (cgroup v" in status["data"]["text/plain"]
+    said = "".join(output.get("text", "") for output in nb.cells[1].outputs)
+    assert said == ("sandbox-kernel: the Python in the sandbox died (killed at the memory limit of 256 MiB); "
+                    "the kernel restarts in the same sandbox: variables and imports are gone, files are kept\n")
