@@ -289,16 +289,6 @@ def test_comm_messages_on_a_subshell_and_on_the_main_shell_all_reach_the_sandbox
     control(kc, "delete_subshell_request", {"subshell_id": subshell})
 
 
-def test_a_subshell_outlives_its_runner(kc: BlockingKernelClient) -> None:
-    """The sandbox's Python dies (as the OOM killer would end it): the next cell of a subshell
-    made before runs in a thread of the new runner."""
-    subshell = create(kc)
-    assert ran(kc, "import os; os.kill(os.getpid(), 9)")[0] == "error"
-    assert ran(kc, "import threading; print(threading.current_thread() is threading.main_thread())",
-               subshell) == ("ok", "False\n")
-    control(kc, "delete_subshell_request", {"subshell_id": subshell})
-
-
 def test_restart_clears_subshells(kernel: tuple[KernelManager, BlockingKernelClient]) -> None:
     km, kc = kernel
     create(kc)
