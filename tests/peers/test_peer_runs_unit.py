@@ -3,9 +3,13 @@ what a listed test or a listed failure message excuses, and the list file itself
 
 from __future__ import annotations
 
+import tarfile
 from pathlib import Path
 
+import pytest
+
 from peer_runs import Comparison, Listed, Run, known_failures
+from sources import extract_plainly
 
 LISTED = Listed(
     tests={"t::cannot": "cannot apply: reads ipykernel's objects",
@@ -51,3 +55,29 @@ def test_the_list_file_gives_every_entry_a_known_kind_of_reason() -> None:
         listed = known_failures(suite)
         for reason in [*listed.tests.values(), *listed.failing_with.values()]:
             assert reason.startswith(("cannot apply: ", "not built: ", "open: ")), reason
+
+
+def test_an_sdist_is_extracted_plainly_with_or_without_tarfiles_filter(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def archive_of(name: str, link: bool) -> Path:
+        path = tmp_path / f"{name}.tar.gz"
+        with tarfile.open(path, "w:gz") as archive:
+            data = tmp_path / "data.txt"
+            data.write_text("x")
+            archive.add(data, "pkg/tests/data.txt")
+            if link:
+                entry = tarfile.TarInfo("pkg/escape")
+                entry.type, entry.linkname = tarfile.SYMTYPE, "/etc/passwd"
+                archive.addfile(entry)
+        return path
+
+    for has_filter in (True, False):
+        if not has_filter:
+            monkeypatch.delattr(tarfile, "data_filter", raising=False)
+        into = tmp_path / f"plain-{has_filter}"
+        with tarfile.open(archive_of(f"plain-{has_filter}", link=False)) as archive:
+            extract_plainly(archive, into)
+        assert (into / "pkg" / "tests" / "data.txt").read_text() == "x"
+        with tarfile.open(archive_of(f"link-{has_filter}", link=True)) as archive, \
+                pytest.raises((RuntimeError, tarfile.TarError)):
+            extract_plainly(archive, tmp_path / f"link-{has_filter}")
