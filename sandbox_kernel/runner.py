@@ -1226,8 +1226,13 @@ def _bundled_pip() -> str | None:
         return None
     import glob
 
-    wheels = sorted(glob.glob(os.path.join(os.path.dirname(ensurepip.__file__), "_bundled", "pip-*.whl")))
-    return wheels[-1] if wheels else None
+    # Debian's Python keeps the wheels its ensurepip installs in /usr/share/python-wheels, not
+    # beside ensurepip.
+    for place in (os.path.join(os.path.dirname(ensurepip.__file__), "_bundled"), "/usr/share/python-wheels"):
+        wheels = sorted(glob.glob(os.path.join(place, "pip-*.whl")))
+        if wheels:
+            return wheels[-1]
+    return None
 
 
 def _describe(name: str, obj: object, detail_level: int) -> str:
