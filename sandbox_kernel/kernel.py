@@ -42,7 +42,7 @@ from traitlets import Unicode
 
 from . import __version__, early_start, ownership, runner_protocol as protocol
 from .allocator import reuse_large_buffers
-from .api import SandboxAPIError, SandboxStatus
+from .api import SandboxAPIError
 from .config import ConfigError, Settings
 from .event_lines import stream_content
 from .history import open_history
@@ -419,10 +419,10 @@ class SandboxKernel(Kernel):
 
     @staticmethod
     async def _is_paused(session: SandboxSession) -> bool:
-        """Whether `exit` can end the frontend's session without running: resuming a paused
-        sandbox (seconds, and its running price) only to leave it helps nobody. One request,
-        for such cells only."""
-        return (await session.view()).status in (SandboxStatus.PAUSED, SandboxStatus.PAUSING)
+        """Whether `exit` can end the frontend's session without running: waking a paused
+        sandbox (or one on its way, SandboxStatus.is_pause_like: seconds, and its running price)
+        only to leave it helps nobody. One request, for such cells only."""
+        return (await session.view()).status.is_pause_like
 
     async def _count_refusals(self, session: SandboxSession, sandbox_id: str) -> None:
         """The count a sandbox's first cell starts from (an attached one has refusals already)."""
@@ -644,8 +644,7 @@ class SandboxKernel(Kernel):
 
     async def _sandbox_usage(self) -> dict[str, Any]:
         if not self._sandbox_ready():
-            failed = self.boot is not None and self.boot.done() and self.boot.exception() is not None
-            return unknown_usage("no sandbox: it did not start" if failed else LOADING)
+            return unknown_usage("no sandbox: it did not start" if self._boot_failed() else LOADING)
         assert self.sandbox is not None
         sample = await self.sandbox.runner_request({protocol.OP: protocol.USAGE})
         sandbox_id = self.sandbox.sandbox_id or ""
