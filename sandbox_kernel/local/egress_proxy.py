@@ -23,8 +23,10 @@ asyncio's default executor, which the engine's own blocking work uses), at most
 ``max_lookups`` at once per proxy (one proxy serves one sandbox). A lookup counts until its
 thread returns, not until the connection gives up on it after ``lookup_timeout``: past the
 budget a connection is refused at once, saying why (``refused_lookups``), so one sandbox's
-hung lookups cost the host a bounded number of threads and nobody else any. Tunnels stay registered while they relay: ``cut_disallowed``
-ends those the current rules no longer allow (after a rule change).
+hung lookups cost the host a bounded number of threads and nobody else any.
+
+Tunnels stay registered while they relay: ``cut_disallowed`` ends those the current rules
+no longer allow (after a rule change).
 
 Everything stays inside ``handle``: every error path closes both sides, the relay tasks
 are always cancelled and awaited, and no input -- however malformed -- raises out of it.

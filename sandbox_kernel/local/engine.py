@@ -803,6 +803,7 @@ class Engine:
                 await sandbox.signals.stop()
             sandbox.agent_connections.close_all()
             self._save(sandbox)
+        self._work.shutdown(wait=False, cancel_futures=True)  # its threads end with their calls
 
     # -- pause, resume, patch ---------------------------------------------------------
 
