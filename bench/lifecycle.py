@@ -19,7 +19,7 @@ import time
 
 from common import Row, bench_env, ms, summary
 from sandbox_kernel.config import Settings
-from sandbox_kernel.session import SandboxSession
+from sandbox_kernel.sandbox.session import SandboxSession
 
 # Targets on the local engine, in seconds.
 TARGETS = {"pause": 0.1, "resume": 0.1, "fork": 1.0}

@@ -22,7 +22,7 @@ from pyinstrument import Profiler
 
 from common import bench_env
 from sandbox_kernel.config import Settings
-from sandbox_kernel.session import SANDBOX_PYTHON, SandboxSession
+from sandbox_kernel.sandbox.session import SANDBOX_PYTHON, SandboxSession
 
 
 async def median_ms(action: Callable[[], Awaitable[Any]], repeat: int) -> float:

@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from common import PLAIN, SANDBOX, Row, kernel, ms, run_ok
-from sandbox_kernel import pool
+from sandbox_kernel.sandbox import pool
 from sandbox_kernel.config import ENV_VARS, Settings
 
 COLD = {ENV_VARS["warm_pool"]: "0"}

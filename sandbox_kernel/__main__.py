@@ -1,3 +1,3 @@
-from .cli import main
+from sandbox_kernel.cli.main import main
 
 raise SystemExit(main())

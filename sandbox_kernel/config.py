@@ -17,10 +17,10 @@ from pathlib import Path
 
 import tomllib
 
-from . import names
-from .api import SandboxClient
-from .egress_rules import EgressRuleError, validate as validate_egress
-from .paths import state_dir
+from sandbox_kernel.api import names
+from sandbox_kernel.api import SandboxClient
+from sandbox_kernel.api.egress_rules import EgressRuleError, validate as validate_egress
+from sandbox_kernel.paths import state_dir
 
 DEFAULT_BASE_URL = "https://api.sb.createos.sh"
 DEFAULT_SHAPE = "s-1vcpu-1gb"
@@ -245,8 +245,8 @@ async def open_client(settings: Settings, state: Path | None = None) -> SandboxC
     """A client for the configured provider; for the local engine, start it if needed."""
     if settings.provider == "createos":
         return SandboxClient(settings.base_url, settings.api_key)
-    from .api.kept_connections import KeptConnections
-    from .local.service import EngineRestarting, ensure_engine
+    from sandbox_kernel.api.kept_connections import KeptConnections
+    from sandbox_kernel.local.service import EngineRestarting, ensure_engine
 
     state = state or state_dir()
     endpoint = await asyncio.to_thread(ensure_engine, state, settings.engine_idle_timeout)

@@ -12,7 +12,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager, start_new_kernel
 
 from message_spec import validate
-from sandbox_kernel.headless import ANSI
+from sandbox_kernel.cli.headless import ANSI
 
 TIMEOUT = 120
 # SANDBOX_KERNEL_TEST_VIA_CREATEOS=1 runs the kernel tests through the CreateOS code path

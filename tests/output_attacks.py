@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from html.parser import HTMLParser
 
-from sandbox_kernel.safe_html import ALLOWED_TAGS, FRAME_POLICY
+from sandbox_kernel.kernel.safe_html import ALLOWED_TAGS, FRAME_POLICY
 
 SET = "top.__pwned=1"
 

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the 
 CHURN = """
 import resource, sys
 if sys.argv[1] == "tuned":
-    from sandbox_kernel.allocator import reuse_large_buffers
+    from sandbox_kernel.kernel.allocator import reuse_large_buffers
     assert reuse_large_buffers()
 
 def churn():

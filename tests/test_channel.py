@@ -13,7 +13,7 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from kernel_helpers import execute, running_kernel
-from sandbox_kernel import session as session_module
+from sandbox_kernel.sandbox import session as session_module
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
 from sandbox_kernel.config import Settings
 from sandbox_kernel.local.service import EngineEndpoint

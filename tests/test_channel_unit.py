@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel import channel as channel_module
+from sandbox_kernel.sandbox import channel as channel_module
 from sandbox_kernel.api import APITransportError, ConflictError, ProcessFrame
-from sandbox_kernel.channel import ACK_EVERY, ChannelError, RunnerChannel
+from sandbox_kernel.sandbox.channel import ACK_EVERY, ChannelError, RunnerChannel
 
 LINE_LIMIT = 1 << 20
 Events = Callable[[dict[str, Any]], list[dict[str, Any]]]

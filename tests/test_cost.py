@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sandbox_kernel.api import SandboxStatus, SandboxView
-from sandbox_kernel.cost import Meter, PriceBook
+from sandbox_kernel.sandbox.cost import Meter, PriceBook
 
 T0 = "2026-11-01T10:00:00Z"
 T0_UNIX = 1793527200.0  # 2026-11-01T10:00:00Z

@@ -16,7 +16,7 @@ from jupyter_client.manager import start_new_kernel
 from engine_helpers import sandbox_status
 from fault_proxy import proxied_engine
 from kernel_helpers import TIMEOUT, execute, running_kernel
-from sandbox_kernel import runner_debug
+from sandbox_kernel.guest import runner_debug
 from sandbox_kernel.api import SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
 from message_spec import validate

@@ -12,12 +12,12 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from kernel_helpers import TIMEOUT, execute
-from sandbox_kernel import early_start
+from sandbox_kernel.sandbox import early_start
 from sandbox_kernel.api import SandboxClient, SandboxStatus
 from sandbox_kernel.config import Settings
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.paths import handoff_path
-from sandbox_kernel.session import SandboxSession, SessionError
+from sandbox_kernel.sandbox.session import SandboxSession, SessionError
 
 pytestmark = pytest.mark.slow
 

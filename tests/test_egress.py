@@ -27,7 +27,7 @@ from sandbox_kernel.api import (
     SandboxClient,
     SandboxStatus,
 )
-from sandbox_kernel import egress_rules
+from sandbox_kernel.api import egress_rules
 from sandbox_kernel.local.egress_gate import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint
 

@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from sandbox_kernel.egress_rules import (
+from sandbox_kernel.api.egress_rules import (
     DENY_ALL,
     Decision,
     EgressRuleError,

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel.event_lines import parse_event_line, stream_content
+from sandbox_kernel.kernel.event_lines import parse_event_line, stream_content
 
-RUNNER = Path(__file__).parent.parent / "sandbox_kernel" / "runner.py"
+RUNNER = Path(__file__).parent.parent / "sandbox_kernel" / "guest" / "runner.py"
 TRICKY_TEXT = 'plain, "quoted", back\\slash, tab\t, bell\x07, é, 漢字, 🙂, lone \ud800, "text": "x"}\n'
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel.magics import EGRESS_HELP, HELP, SandboxMagics
-from sandbox_kernel.output import CellOutput
+from sandbox_kernel.kernel.magics import EGRESS_HELP, HELP, SandboxMagics
+from sandbox_kernel.kernel.output import CellOutput
 
 
 async def printed(line: str) -> str:

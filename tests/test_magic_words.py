@@ -7,9 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_kernel.magic_words import (
-    MAX_ANSWER, Expression, MagicLineError, Word, check_host_path, check_words, expressions_of, fill_in,
-    parse_values, split_words)
+from sandbox_kernel.kernel.magic_words import (
+    MAX_ANSWER,
+    Expression,
+    MagicLineError,
+    Word,
+    check_host_path,
+    check_words,
+    expressions_of,
+    fill_in,
+    parse_values,
+    split_words,
+)
 
 
 def filled(line: str, values: dict[str, str] | None) -> list[Word]:

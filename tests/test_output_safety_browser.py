@@ -21,7 +21,7 @@ import pytest
 
 from browser_helpers import ARTIFACTS, Lab, chromium_path, lab_page_that_ran
 from output_attacks import FIRES_UNAIDED, NOT_UNAIDED
-from sandbox_kernel.safe_html import safe_html
+from sandbox_kernel.kernel.safe_html import safe_html
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 

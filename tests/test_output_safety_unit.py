@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 
 from output_attacks import ATTACKS, Tags, assert_inert, assert_isolated
-from sandbox_kernel import output_safety
-from sandbox_kernel.output_safety import OutputFilter, safe_markdown
-from sandbox_kernel.safe_html import safe_html, sanitize
+from sandbox_kernel.kernel import output_safety
+from sandbox_kernel.kernel.output_safety import OutputFilter, safe_markdown
+from sandbox_kernel.kernel.safe_html import safe_html, sanitize
 
 
 @pytest.mark.parametrize("attack", ATTACKS)

@@ -21,7 +21,7 @@ from fault_proxy import proxied_engine
 from kernel_helpers import PROVIDER, TIMEOUT, Execution, execute
 from sandbox_kernel.api import SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
-from sandbox_kernel.session import FORK_AUTO_PAUSE
+from sandbox_kernel.sandbox.session import FORK_AUTO_PAUSE
 from test_cli import cli
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_kernel import names, ownership
+from sandbox_kernel.api import names
+from sandbox_kernel.sandbox import ownership
 from sandbox_kernel.api import SandboxStatus, SandboxView
 
 

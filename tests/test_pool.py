@@ -15,7 +15,7 @@ import pytest
 
 from engine_helpers import sandbox_status
 from kernel_helpers import execute, running_kernel
-from sandbox_kernel import pool
+from sandbox_kernel.sandbox import pool
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
 from sandbox_kernel.config import ENV_VARS, ConfigError, Settings
 from sandbox_kernel.local.service import EngineEndpoint

@@ -20,12 +20,13 @@ import httpx
 import pytest
 
 from engine_helpers import running_engine
-from sandbox_kernel import names, ownership, pool
+from sandbox_kernel.api import names
+from sandbox_kernel.sandbox import ownership, pool
 from sandbox_kernel.api import SandboxClient
 from sandbox_kernel.api.kept_connections import KeptConnections
 from sandbox_kernel.config import Settings
 from sandbox_kernel.local.service import EngineEndpoint
-from sandbox_kernel.session import SandboxSession, SessionError
+from sandbox_kernel.sandbox.session import SandboxSession, SessionError
 from test_cli import cli
 
 pytestmark = pytest.mark.slow

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sandbox_kernel.local import processes
+from sandbox_kernel.guest import agent as agent_package
 
-sys.path.insert(0, str(Path(processes.__file__).parent / "guest"))
+sys.path.insert(0, str(Path(agent_package.__file__).parent))
 from processes import ManagedProcess, ProcessTable  # noqa: E402 (the agent's module, beside the agent)
 
 

@@ -25,7 +25,7 @@ from createos.models import (
     RunCommandRequest,
 )
 
-from sandbox_kernel.local.guest.processes import WINDOW_BYTES
+from sandbox_kernel.guest.agent.processes import WINDOW_BYTES
 from sandbox_kernel.local.service import EngineEndpoint
 
 

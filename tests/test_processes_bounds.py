@@ -19,7 +19,7 @@ from createos.models import (
 )
 
 from engine_helpers import sandbox_pids
-from sandbox_kernel.local.guest.processes import READ_CHUNK, WINDOW_BYTES
+from sandbox_kernel.guest.agent.processes import READ_CHUNK, WINDOW_BYTES
 from sandbox_kernel.local.service import EngineEndpoint
 
 MIB = 1 << 20

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from sandbox_kernel.guest import agent as agent_package
 from sandbox_kernel.local import processes
-from sandbox_kernel.runner_client import CHANNEL_WINDOW
+from sandbox_kernel.guest.runner_client import CHANNEL_WINDOW
 
-sys.path.insert(0, str(Path(processes.__file__).parent / "guest"))
+sys.path.insert(0, str(Path(agent_package.__file__).parent))
 from agent import frame  # noqa: E402 (the agent is a script beside its own modules)
 from processes import CHUNK_OVERHEAD, READ_CHUNK, WINDOW_BYTES, data_frame  # noqa: E402
 
@@ -73,7 +74,7 @@ def test_the_agent_encodes_output_with_pybase64_as_binascii_would() -> None:
     and its encoder writes what binascii's does."""
     import subprocess
 
-    guest = Path(processes.__file__).parent / "guest"
+    guest = Path(agent_package.__file__).parent
     probe = ("import sys; sys.path.insert(0, sys.argv[1]); before = list(sys.path); import processes; "
              "encode = processes._output_encoder(); print(encode.__module__, sys.path == before)")
     found = subprocess.run([sys.executable, "-I", "-S", "-c", probe, str(guest)], capture_output=True, text=True,

@@ -519,7 +519,7 @@ def test_the_sandbox_looks_like_an_ipykernel_to_libraries_and_loads_it_on_use(kc
 
 
 def test_usage_reply_takes_only_sane_numbers_from_the_sandbox() -> None:
-    from sandbox_kernel.usage import usage_reply
+    from sandbox_kernel.kernel.usage import usage_reply
 
     sample = {"hostname": "sb", "pid": 7, "kernel_cpu": float("nan"), "kernel_memory": "lots", "cpu_count": True,
               "meminfo": {"total": 8 * 2**30, "available": 6 * 2**30, "active": 2**30, "inactive": -1},

@@ -23,13 +23,14 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 from kernel_helpers import execute, running_kernel
-from sandbox_kernel import pool, runner_bundle
+from sandbox_kernel.sandbox import pool
+from sandbox_kernel.guest import runner_bundle
 from sandbox_kernel.api import SandboxClient
 from sandbox_kernel.config import ENV_VARS
 from sandbox_kernel.local.service import EngineEndpoint
-from sandbox_kernel.session import RUNNER_DIR
+from sandbox_kernel.sandbox.session import RUNNER_DIR
 
-PACKAGE = Path(runner_bundle.__file__).parent
+BUNDLE_DIR = Path(runner_bundle.__file__).parent
 MARK = "# the other version\n"  # what the other version's runner_protocol.py ends with
 MARKED = f"print(open('{RUNNER_DIR}/runner_protocol.py').read().endswith({MARK!r}))"
 SANDBOX_ID = "import os\nprint(os.environ['SANDBOX_ID'])"
@@ -46,10 +47,10 @@ def other_version_line(sandbox_id: str) -> str:
 
 def test_the_hash_changes_with_any_bundle_file_and_only_then(tmp_path: Path) -> None:
     for name in runner_bundle.FILES:
-        shutil.copy(PACKAGE / name, tmp_path / name)
+        shutil.copy(BUNDLE_DIR / name, tmp_path / name)
     (tmp_path / "not_in_the_bundle.py").write_text("x = 1\n")
     original = runner_bundle.bundle_hash(str(tmp_path))
-    assert original == runner_bundle.own_hash() == runner_bundle.bundle_hash(str(PACKAGE))
+    assert original == runner_bundle.own_hash() == runner_bundle.bundle_hash(str(BUNDLE_DIR))
     (tmp_path / "not_in_the_bundle.py").write_text("x = 2\n")  # not the bundle's: no change
     (tmp_path / "runner.py").touch()  # a new mtime, the same content: no change
     assert runner_bundle.bundle_hash(str(tmp_path)) == original
@@ -85,8 +86,8 @@ def other_version(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory for PYTHONPATH holding this package with one comment line added to a
     bundle file: another sandbox-kernel version."""
     root = tmp_path_factory.mktemp("other-version")
-    shutil.copytree(PACKAGE, root / "sandbox_kernel", ignore=shutil.ignore_patterns("__pycache__"))
-    with open(root / "sandbox_kernel" / "runner_protocol.py", "a") as file:
+    shutil.copytree(BUNDLE_DIR.parent, root / "sandbox_kernel", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(root / "sandbox_kernel" / BUNDLE_DIR.name / "runner_protocol.py", "a") as file:
         file.write(MARK)
     return root
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_kernel.runner_client import waits_for_done, with_op
+from sandbox_kernel.guest.runner_client import waits_for_done, with_op
 from test_runner import Daemon, b64, new_cell_id, parse
 
-CLIENT = Path(__file__).resolve().parents[1] / "sandbox_kernel" / "runner_client.py"
+CLIENT = Path(__file__).resolve().parents[1] / "sandbox_kernel" / "guest" / "runner_client.py"
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,8 +118,8 @@ class Relay:
 
 
 def test_the_relays_words_are_the_protocols() -> None:
-    from sandbox_kernel import runner_client, runner_protocol
-    from sandbox_kernel.channel import ACK_EVERY
+    from sandbox_kernel.guest import runner_client, runner_protocol
+    from sandbox_kernel.sandbox.channel import ACK_EVERY
 
     source = CLIENT.read_text()
     assert f'{{"{runner_protocol.OP}": "{runner_protocol.CHANNEL}"' in source
@@ -167,7 +167,7 @@ def test_output_between_cells_reaches_the_channel_untagged(daemon: Daemon) -> No
 
 
 def test_the_relay_writes_no_further_ahead_of_the_kernel_than_its_window(daemon: Daemon) -> None:
-    from sandbox_kernel.runner_client import CHANNEL_WINDOW
+    from sandbox_kernel.guest.runner_client import CHANNEL_WINDOW
 
     relay = Relay(daemon)
     out = relay.process.stdout

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from kernel_helpers import execute, running_kernel
-from sandbox_kernel.transfer import CHUNK, MAX_FILE, TransferError, move_into, parse_listing, relative_parts
+from sandbox_kernel.sandbox.transfer import (
+    CHUNK,
+    MAX_FILE,
+    TransferError,
+    move_into,
+    parse_listing,
+    relative_parts,
+)
 
 pytestmark = pytest.mark.slow
 

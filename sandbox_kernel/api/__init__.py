@@ -3,9 +3,17 @@
 This package is the only way the kernel talks to a sandbox (CreateOS cloud or the local engine).
 """
 
-from .client import (PAGE_LIMIT, PUBLIC_ROUTES, USER_AGENT, BoundedLines, ExecStream, OversizedLine, ProcessStream,
-                     SandboxClient)
-from .errors import (
+from sandbox_kernel.api.client import (
+    PAGE_LIMIT,
+    PUBLIC_ROUTES,
+    USER_AGENT,
+    BoundedLines,
+    ExecStream,
+    OversizedLine,
+    ProcessStream,
+    SandboxClient,
+)
+from sandbox_kernel.api.errors import (
     APITimeoutError,
     APITransportError,
     AuthenticationError,
@@ -20,7 +28,7 @@ from .errors import (
     ServerError,
     ServiceUnavailableError,
 )
-from .models import (
+from sandbox_kernel.api.models import (
     TERMINAL,
     TRANSITIONAL,
     CreateProcessRequest,

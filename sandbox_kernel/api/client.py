@@ -29,16 +29,16 @@ import httpx
 import pybase64
 import pydantic
 
-from .envelope import error_from_response, parse_response, protocol_error, unwrap_page
-from .errors import (
+from sandbox_kernel.api.envelope import error_from_response, parse_response, protocol_error, unwrap_page
+from sandbox_kernel.api.errors import (
     APITimeoutError,
     APITransportError,
     ProtocolError,
     parse_retry_after,
     redact,
 )
-from .kept_connections import KeptConnections
-from .models import (
+from sandbox_kernel.api.kept_connections import KeptConnections
+from sandbox_kernel.api.models import (
     CreateProcessRequest,
     CreateSandboxRequest,
     CreateSandboxResponse,
@@ -68,7 +68,7 @@ from .models import (
     WaitScope,
 )
 
-from .. import __version__ as _VERSION
+from sandbox_kernel import __version__ as _VERSION
 
 __all__ = ["SandboxClient", "ExecStream", "ProcessStream", "BoundedLines", "OversizedLine", "USER_AGENT",
            "PUBLIC_ROUTES", "PAGE_LIMIT", "MAX_FRAME_LINE"]

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 import httpx
 from pydantic import BaseModel
 
-from .errors import (
+from sandbox_kernel.api.errors import (
     ProtocolError,
     RateLimitError,
     SandboxAPIError,
@@ -27,7 +27,7 @@ from .errors import (
     parse_retry_after,
     redact,
 )
-from .models import Pagination
+from sandbox_kernel.api.models import Pagination
 
 __all__ = [
     "success",

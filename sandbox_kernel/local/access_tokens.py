@@ -15,7 +15,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from ..api.models import WireModel
+from sandbox_kernel.api.models import WireModel
 
 TOKEN_PREFIX = "sbt_"
 HINT_CHARS = 4

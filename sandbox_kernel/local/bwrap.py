@@ -22,7 +22,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from .limits import RLIMITS_ENV
+from sandbox_kernel.local.limits import RLIMITS_ENV
 
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
@@ -31,8 +31,8 @@ WORKSPACE = "/workspace"
 # it to the agent, so code in the sandbox cannot replace the socket to pose as its agent.
 AGENT_DIR = "/run/sandbox-agent"
 AGENT_SOCKET = AGENT_DIR + "/agent.sock"
-GUEST_DIR = "/opt/sandbox-kernel"  # sandbox_kernel/local/guest, read-only
-AGENT_SCRIPT = GUEST_DIR + "/agent.py"
+AGENT_MOUNT = "/opt/sandbox-kernel"  # the agent's files (sandbox_kernel/guest/agent), read-only
+AGENT_SCRIPT = AGENT_MOUNT + "/agent.py"
 FORKABLE_DIR = "/run/sandbox-forkable"  # processes that follow a fork register here
 EGRESS_PORT = 3128
 STAGE = "/tmp"  # where an engine run as root puts host paths for bwrap (Handover)  # on the sandbox's loopback: the agent hands connections to the engine's proxy
@@ -215,7 +215,7 @@ def proxy_env() -> dict[str, str]:
     return {**env, **{key.upper(): value for key, value in env.items()}}
 
 
-def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path, seccomp_fd: int,
+def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, agent_files: Path, seccomp_fd: int,
                     handover: Handover, shm_mib: int, rlimits: str = "", packages: bool = True) -> list[str]:
     """bwrap's options for one sandbox (the command is in launch_command).
 
@@ -260,10 +260,10 @@ def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, guest_dir: Path, seccomp
     if not packages:
         for directory in package_dirs():
             cmd += ["--tmpfs", directory, "--remount-ro", directory]
-    cmd += ["--tmpfs", GUEST_DIR]
-    for program in sorted(guest_dir.glob("*.py")):
-        cmd += ["--ro-bind-data", handover.data(program.read_bytes()), f"{GUEST_DIR}/{program.name}"]
-    cmd += ["--remount-ro", GUEST_DIR,
+    cmd += ["--tmpfs", AGENT_MOUNT]
+    for program in sorted(agent_files.glob("*.py")):
+        cmd += ["--ro-bind-data", handover.data(program.read_bytes()), f"{AGENT_MOUNT}/{program.name}"]
+    cmd += ["--remount-ro", AGENT_MOUNT,
             "--chdir", WORKSPACE, "--clearenv", "--seccomp", str(seccomp_fd)]
     env = sandbox_env(sandbox_id, python_bin)
     if rlimits:

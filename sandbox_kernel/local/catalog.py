@@ -8,7 +8,7 @@ refused with the reason, never quietly swapped for something else.
 
 from __future__ import annotations
 
-from ..api.models import RootfsCatalog, RootfsEntry
+from sandbox_kernel.api.models import RootfsCatalog, RootfsEntry
 
 HOST_PYTHON = "host-python"
 # Python with its standard library only, as on a bare CreateOS rootfs (devbox:1 has

@@ -19,9 +19,9 @@ import logging
 from collections.abc import Callable
 from ipaddress import IPv4Address, IPv6Address
 
-from ..egress_rules import Decision, decide, screen_name
-from .agent_client import AgentClient, AgentUnavailable
-from .egress_proxy import EgressProxy, _default_resolve as resolve_by_dns
+from sandbox_kernel.api.egress_rules import Decision, decide, screen_name
+from sandbox_kernel.local.agent_client import AgentClient, AgentUnavailable
+from sandbox_kernel.local.egress_proxy import EgressProxy, _default_resolve as resolve_by_dns
 
 log = logging.getLogger("sandbox_kernel.egress")
 

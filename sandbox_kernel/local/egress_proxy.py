@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 from urllib.parse import urlsplit
 
-from ..egress_rules import Decision
+from sandbox_kernel.api.egress_rules import Decision
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..api.models import (
+from sandbox_kernel.api.models import (
     CreateSandboxRequest,
     ForkSandboxRequest,
     PatchSandboxRequest,
@@ -34,23 +34,44 @@ from ..api.models import (
     SandboxView,
     Shape,
 )
-from ..egress_rules import EgressRuleError, validate as validate_egress
-from .agent_client import (AgentClient, AgentConnections, AgentError, AgentUnavailable, RequestTooLarge,
-                           encoded, exec_request)
-from .egress_gate import EgressGate
-from .signal_relay import SignalRelay
-from . import disk, registry, seccomp
-from .engine_lock import EngineLock
-from .access_tokens import AccessToken, digest
-from .catalog import HOST_PYTHON, UnknownRootfs, local_rootfs
-from .bwrap import STAGE, Handover, SandboxDirs, bwrap_arguments, find_bwrap, launch_command
-from .hostuser import HostUser, allocate as allocate_host_user, needs_own_user
-from .freezer import CgroupV2Freezer, Freezer, Handle, SignalFreezer, select as select_freezer
-from .limits import Applied, Limits, select as select_limiter
+from sandbox_kernel.api.egress_rules import EgressRuleError, validate as validate_egress
+from sandbox_kernel.local.agent_client import (
+    AgentClient,
+    AgentConnections,
+    AgentError,
+    AgentUnavailable,
+    RequestTooLarge,
+    encoded,
+    exec_request,
+)
+from sandbox_kernel.local.egress_gate import EgressGate
+from sandbox_kernel.local.signal_relay import SignalRelay
+from sandbox_kernel.guest import agent
+from sandbox_kernel.local import disk, registry, seccomp
+from sandbox_kernel.local.engine_lock import EngineLock
+from sandbox_kernel.local.access_tokens import AccessToken, digest
+from sandbox_kernel.local.catalog import HOST_PYTHON, UnknownRootfs, local_rootfs
+from sandbox_kernel.local.bwrap import (
+    STAGE,
+    Handover,
+    SandboxDirs,
+    bwrap_arguments,
+    find_bwrap,
+    launch_command,
+)
+from sandbox_kernel.local.hostuser import HostUser, allocate as allocate_host_user, needs_own_user
+from sandbox_kernel.local.freezer import (
+    CgroupV2Freezer,
+    Freezer,
+    Handle,
+    SignalFreezer,
+    select as select_freezer,
+)
+from sandbox_kernel.local.limits import Applied, Limits, select as select_limiter
 
 log = logging.getLogger("sandbox_kernel.engine")
 
-GUEST_DIR = Path(__file__).with_name("guest")  # files that run inside sandboxes
+AGENT_FILES = Path(agent.__file__).parent  # the agent's programs (host side), bound into every sandbox
 AGENT_START_TIMEOUT = 15.0
 DEFAULT_DISK_MIB = 10240
 MAX_DISK_MIB = 1024 * 1024  # 1 TiB: a sparse image costs only what is written, but not without bound
@@ -524,7 +545,7 @@ class Engine:
         args_read, args_write = os.pipe()
         try:
             arguments = "\0".join(bwrap_arguments(
-                sandbox.id, sandbox.dirs, GUEST_DIR, seccomp_fd, handover, sandbox.limits.shm_mib,
+                sandbox.id, sandbox.dirs, AGENT_FILES, seccomp_fd, handover, sandbox.limits.shm_mib,
                 self.limiter.rlimits(sandbox.limits), packages=local_rootfs(sandbox.rootfs) == HOST_PYTHON)) + "\0"
             command = launch_command(handover.reachable(self.bwrap), args_read, listener.fileno())
             if sandbox.host_user:

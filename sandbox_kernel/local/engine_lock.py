@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 
-from .registry import start_time
+from sandbox_kernel.local.registry import start_time
 
 LOCK_FILE = "engine.pid"
 # A lock taken by no live recorded engine is one whose holder has just taken it (its record

@@ -6,7 +6,7 @@ import socket
 
 import uvicorn
 
-from .engine import Engine
+from sandbox_kernel.local.engine import Engine
 
 
 class EngineServer(uvicorn.Server):

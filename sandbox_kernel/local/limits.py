@@ -31,8 +31,8 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .freezer import GROUP, _cgroup2_mount, _move, _read, _remove, _write
-from .hostuser import needs_own_user
+from sandbox_kernel.local.freezer import GROUP, _cgroup2_mount, _move, _read, _remove, _write
+from sandbox_kernel.local.hostuser import needs_own_user
 
 log = logging.getLogger("sandbox_kernel.limits")
 

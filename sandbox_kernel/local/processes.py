@@ -51,8 +51,16 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 
-from .agent_client import AgentError, AgentUnavailable
-from .engine import HEARTBEAT_SECONDS, Conflict, Engine, EngineError, InvalidRequest, LocalSandbox, NotFound
+from sandbox_kernel.local.agent_client import AgentError, AgentUnavailable
+from sandbox_kernel.local.engine import (
+    HEARTBEAT_SECONDS,
+    Conflict,
+    Engine,
+    EngineError,
+    InvalidRequest,
+    LocalSandbox,
+    NotFound,
+)
 
 HEARTBEAT = b'{"type":"heartbeat"}\n'
 # How the agent's frames begin (guest/agent.py writes compact JSON, "type" first): told by

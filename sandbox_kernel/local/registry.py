@@ -19,7 +19,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from ..paths import write_private
+from sandbox_kernel.paths import write_private
 
 RECORD = "record.json"
 

@@ -28,8 +28,8 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api import envelope
-from ..api.models import (
+from sandbox_kernel.api import envelope
+from sandbox_kernel.api.models import (
     BandwidthRecharge,
     BandwidthView,
     CreateProcessRequest,
@@ -57,18 +57,18 @@ from ..api.models import (
     Readiness,
     WaitScope,
 )
-from .access_tokens import (
+from sandbox_kernel.local.access_tokens import (
     SANDBOX_ROUTE,
     AccessToken,
     AccessTokenCreated,
     AccessTokenMetadata,
     token_may_use,
 )
-from . import processes
-from .agent_client import AgentUnavailable
-from .catalog import CATALOG
-from .engine import HEARTBEAT_SECONDS, SHAPES, Engine, EngineError, LocalSandbox, rfc3339
-from .unsupported import add_unsupported_routes
+from sandbox_kernel.local import processes
+from sandbox_kernel.local.agent_client import AgentUnavailable
+from sandbox_kernel.local.catalog import CATALOG
+from sandbox_kernel.local.engine import HEARTBEAT_SECONDS, SHAPES, Engine, EngineError, LocalSandbox, rfc3339
+from sandbox_kernel.local.unsupported import add_unsupported_routes
 
 log = logging.getLogger("sandbox_kernel.server")
 

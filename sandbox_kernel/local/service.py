@@ -27,9 +27,9 @@ from typing import BinaryIO
 
 import httpx
 
-from ..paths import write_private
-from .engine_log import bound_if_redirected
-from .engine_lock import EngineLock, serving_engine
+from sandbox_kernel.paths import write_private
+from sandbox_kernel.local.engine_log import bound_if_redirected
+from sandbox_kernel.local.engine_lock import EngineLock, serving_engine
 
 log = logging.getLogger("sandbox_kernel.service")
 
@@ -158,7 +158,7 @@ class EngineRestarting(httpx.AsyncBaseTransport):
             # (a second sandbox create would orphan the first, an exec would run twice), except
             # the channel's lines to its relay (a cell the runner has is not run again, an
             # acknowledgement counts once).
-            from .registry import start_time
+            from sandbox_kernel.local.registry import start_time
 
             if serving is None or start_time(serving) is not None:
                 raise
@@ -234,9 +234,9 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     """Run the engine until SIGINT/SIGTERM, or until idle_timeout s pass with no sandboxes."""
     import uvicorn
 
-    from .engine import Engine
-    from .engine_server import EngineServer
-    from .server import create_app
+    from sandbox_kernel.local.engine import Engine
+    from sandbox_kernel.local.engine_server import EngineServer
+    from sandbox_kernel.local.server import create_app
 
     # Everything the engine creates (sandbox dirs, logs, disk images) is its user's alone.
     # (The agent sets the usual 022 again for the sandbox's own files.)

@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 
-from .agent_client import AgentClient, AgentUnavailable
+from sandbox_kernel.local.agent_client import AgentClient, AgentUnavailable
 
 log = logging.getLogger("sandbox_kernel.signals")
 

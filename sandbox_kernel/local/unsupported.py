@@ -13,8 +13,8 @@ from collections.abc import Callable
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from ..api import envelope
-from .engine import Engine
+from sandbox_kernel.api import envelope
+from sandbox_kernel.local.engine import Engine
 
 NOT_IMPLEMENTED = 501
 ALL = ["GET", "POST", "PUT", "PATCH", "DELETE"]

@@ -24,7 +24,7 @@ from attack_helpers import ONCE
 from kernel_helpers import execute, running_kernel
 from memory_probe import memory_growth
 from sandbox_kernel.api import SandboxClient
-from sandbox_kernel.transfer import CHUNK, Listing, Transfer, TransferError
+from sandbox_kernel.sandbox.transfer import CHUNK, Listing, Transfer, TransferError
 
 pytestmark = [pytest.mark.slow, ONCE]
 

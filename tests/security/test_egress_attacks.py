@@ -18,7 +18,7 @@ import pytest
 
 from attack_helpers import ONCE
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
-from sandbox_kernel.egress_rules import DENY_ALL
+from sandbox_kernel.api.egress_rules import DENY_ALL
 from sandbox_kernel.local.egress_proxy import BLOCKED_REASON
 from sandbox_kernel.local.service import EngineEndpoint
 

@@ -14,7 +14,7 @@ import pytest
 from attack_helpers import ONCE
 from engine_helpers import running_engine
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
-from sandbox_kernel.egress_rules import DENY_ALL
+from sandbox_kernel.api.egress_rules import DENY_ALL
 from sandbox_kernel.local.egress_proxy import RefusalLog
 from sandbox_kernel.local.service import EngineEndpoint
 

@@ -18,8 +18,8 @@ from jupyter_client.blocking.client import BlockingKernelClient
 
 from kernel_helpers import execute
 from output_attacks import Tags, assert_inert
-from sandbox_kernel.output_safety import SAFE_MIME_TYPES
-from sandbox_kernel.safe_html import FRAME_POLICY
+from sandbox_kernel.kernel.output_safety import SAFE_MIME_TYPES
+from sandbox_kernel.kernel.safe_html import FRAME_POLICY
 
 pytestmark = [pytest.mark.slow, pytest.mark.one_path]
 

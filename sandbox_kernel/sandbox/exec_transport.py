@@ -23,12 +23,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from . import runner_protocol as protocol
-from .api import BoundedLines, NotFoundError, OversizedLine, SandboxClient, ServerError
-from .channel import RECOVERABLE
-from .event_lines import parse_event_line
+from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.api import BoundedLines, NotFoundError, OversizedLine, SandboxClient, ServerError
+from sandbox_kernel.sandbox.channel import RECOVERABLE
+from sandbox_kernel.kernel.event_lines import parse_event_line
 
-log = logging.getLogger("sandbox_kernel.exec_transport")
+log = logging.getLogger("sandbox_kernel.sandbox.exec_transport")
 
 EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
 # The runner client's arguments for a command and its base64 JSON argument.

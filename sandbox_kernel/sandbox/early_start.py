@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import ownership
-from .config import ConfigError, Settings, open_client
-from .paths import handoff_path
+from sandbox_kernel.sandbox import ownership
+from sandbox_kernel.config import ConfigError, Settings, open_client
+from sandbox_kernel.paths import handoff_path
 
 KERNEL_ARGUMENT = "--SandboxKernel."
 # The kernel's imports wait (at most this long) until the create is on its way: sharing the
@@ -88,7 +88,7 @@ class EarlyStart:
             self._sending.set()
 
     async def _prepare(self) -> Prepared:
-        from .session import SandboxSession  # not at the top: session.py imports this module
+        from sandbox_kernel.sandbox.session import SandboxSession  # not at the top: session.py imports this module
 
         session = SandboxSession(self.settings)
         # The channel and the warm pool's top-up live on the kernel's loop.

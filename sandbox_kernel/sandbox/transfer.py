@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from .api import BadRequestError, NotFoundError, SandboxAPIError, SandboxClient
+from sandbox_kernel.api import BadRequestError, NotFoundError, SandboxAPIError, SandboxClient
 
 WORKSPACE = "/workspace"
 CHUNK = 8 * 2**20

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from .api import SandboxStatus, SandboxView
+from sandbox_kernel.api import SandboxStatus, SandboxView
 
 NAME_ENV = "SANDBOX_KERNEL_NAME_"
 VALID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")

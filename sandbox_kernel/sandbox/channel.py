@@ -45,8 +45,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from . import runner_protocol as protocol
-from .api import (
+from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.api import (
     APITransportError,
     BoundedLines,
     ConflictError,
@@ -58,10 +58,10 @@ from .api import (
     SandboxClient,
     ServerError,
 )
-from .event_lines import parse_event_line
-from .runner_client import CHANNEL_WINDOW
+from sandbox_kernel.kernel.event_lines import parse_event_line
+from sandbox_kernel.guest.runner_client import CHANNEL_WINDOW
 
-log = logging.getLogger("sandbox_kernel.channel")
+log = logging.getLogger("sandbox_kernel.sandbox.channel")
 
 EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
 # Acknowledge the relay's output every this many bytes: half its window, the other half

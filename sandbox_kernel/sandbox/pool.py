@@ -42,11 +42,12 @@ from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import ownership, runner_bundle
-from .config import Settings
-from .paths import state_dir, write_private
+from sandbox_kernel.sandbox import ownership
+from sandbox_kernel.guest import runner_bundle
+from sandbox_kernel.config import Settings
+from sandbox_kernel.paths import state_dir, write_private
 
-log = logging.getLogger("sandbox_kernel.pool")
+log = logging.getLogger("sandbox_kernel.sandbox.pool")
 
 # A waiting member pauses itself after this long (CreateOS allows 60 s at least).
 MEMBER_AUTO_PAUSE = 120

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("sandbox_kernel.history")
+log = logging.getLogger("sandbox_kernel.kernel.history")
 
 Entry = tuple[int, int, str]  # (session, line number = execution count, source)
 

@@ -17,16 +17,27 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from . import egress_rules, magic_words, names, ownership
-from .api import EgressView, SandboxView
-from .api.models import parse_rfc3339
-from .config import SHUTDOWN_POLICIES
-from .cost import Cost
-from .magic_words import Word
-from .output import CellOutput, html_without_math
-from .output_safety import OutputFilter
-from .session import SandboxSession
-from .transfer import CHUNK, MAX_FILE, WORKSPACE, Transfer, TransferError, describe_size, host_path, sandbox_path
+from sandbox_kernel.api import egress_rules, names
+from sandbox_kernel.kernel import magic_words
+from sandbox_kernel.sandbox import ownership
+from sandbox_kernel.api import EgressView, SandboxView
+from sandbox_kernel.api.models import parse_rfc3339
+from sandbox_kernel.config import SHUTDOWN_POLICIES
+from sandbox_kernel.sandbox.cost import Cost
+from sandbox_kernel.kernel.magic_words import Word
+from sandbox_kernel.kernel.output import CellOutput, html_without_math
+from sandbox_kernel.kernel.output_safety import OutputFilter
+from sandbox_kernel.sandbox.session import SandboxSession
+from sandbox_kernel.sandbox.transfer import (
+    CHUNK,
+    MAX_FILE,
+    WORKSPACE,
+    Transfer,
+    TransferError,
+    describe_size,
+    host_path,
+    sandbox_path,
+)
 
 MAGIC = "%sandbox"
 EGRESS = "%egress"

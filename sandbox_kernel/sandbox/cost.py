@@ -14,8 +14,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from .api import SandboxView
-from .api.models import parse_rfc3339
+from sandbox_kernel.api import SandboxView
+from sandbox_kernel.api.models import parse_rfc3339
 
 HOUR = 3600.0
 MIB = 1024 * 1024

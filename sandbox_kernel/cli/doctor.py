@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import DEFAULT_SHAPE, ConfigError, Settings
-from .local.bwrap import STAGE, BwrapNotFound, Handover, find_bwrap, python_roots
-from .local.hostuser import FIRST_ID, ID_COUNT, allocate, needs_own_user
-from .paths import state_dir
+from sandbox_kernel.config import DEFAULT_SHAPE, ConfigError, Settings
+from sandbox_kernel.local.bwrap import STAGE, BwrapNotFound, Handover, find_bwrap, python_roots
+from sandbox_kernel.local.hostuser import FIRST_ID, ID_COUNT, allocate, needs_own_user
+from sandbox_kernel.paths import state_dir
 
 NAMESPACES = ("user", "pid", "net", "ipc", "uts")
 
@@ -63,7 +63,7 @@ def fork_line() -> str:
 
 def pause_line() -> str:
     """Which mechanism freezes a paused sandbox here (probed for real, as the engine does)."""
-    from .local.freezer import FreezerError, SignalFreezer, select
+    from sandbox_kernel.local.freezer import FreezerError, SignalFreezer, select
 
     try:
         freezer = select()
@@ -79,10 +79,10 @@ def pause_line() -> str:
 
 def limits_line(shape_id: str) -> str:
     """Which of the shape's limits a local sandbox gets here (probed as the engine does)."""
-    from .local import disk
-    from .local.engine import SHAPES
-    from .local.freezer import CgroupV2Freezer, FreezerError, select as select_freezer
-    from .local.limits import Limits, LimitsError, select as select_limiter
+    from sandbox_kernel.local import disk
+    from sandbox_kernel.local.engine import SHAPES
+    from sandbox_kernel.local.freezer import CgroupV2Freezer, FreezerError, select as select_freezer
+    from sandbox_kernel.local.limits import Limits, LimitsError, select as select_limiter
 
     shape = next((s for s in SHAPES if s.id == shape_id), SHAPES[0])
     try:
@@ -105,7 +105,7 @@ def probe_createos(settings: Settings) -> tuple[bool, str]:
     """Ask the configured server for this key's sandboxes: that needs the URL and the key."""
     import asyncio
 
-    from .api import SandboxAPIError, SandboxClient
+    from sandbox_kernel.api import SandboxAPIError, SandboxClient
 
     async def list_sandboxes() -> int:
         async with SandboxClient(settings.base_url, settings.api_key, timeout=10, max_retries=0) as client:
@@ -190,7 +190,7 @@ def report() -> tuple[bool, list[str]]:
     lines.append("frontend extras (this environment):")
     lines.append("  " + usage_panel_line())
 
-    from .local.service import read_endpoint
+    from sandbox_kernel.local.service import read_endpoint
 
     endpoint = read_endpoint(state_dir())
     lines.append("")

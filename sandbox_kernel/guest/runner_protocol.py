@@ -1,6 +1,6 @@
 """The words the kernel and its runner speak: request ops, event types and channel fields.
 
-Shared by both sides: the kernel imports it as sandbox_kernel.runner_protocol, and the
+Shared by both sides: the kernel imports it as sandbox_kernel.guest.runner_protocol, and the
 session uploads it next to runner.py, which imports it as a sibling module in the sandbox
 (stdlib-only, Python 3.8+, no imports, like runner.py). runner_client.py, which must start
 in a bare interpreter with built-in modules only, spells the few words it needs itself

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .api import (
+from sandbox_kernel.api import (
     ConflictError,
     CreateSandboxRequest,
     EgressView,
@@ -37,21 +37,23 @@ from .api import (
     SandboxStatus,
     SandboxView,
 )
-from . import names, ownership, pool, runner_bundle, runner_protocol as protocol, shutdown_policy
-from .channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxProcesses
-from .exec_transport import ExecFailed, ExecTransport, RunnerGone, encode_arg
-from .config import Settings, open_client
-from .cost import Cost, Meter
-from .early_start import EarlyStart
+from sandbox_kernel.api import names
+from sandbox_kernel.sandbox import ownership, pool, shutdown_policy
+from sandbox_kernel.guest import runner_bundle, runner_protocol as protocol
+from sandbox_kernel.sandbox.channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxProcesses
+from sandbox_kernel.sandbox.exec_transport import ExecFailed, ExecTransport, RunnerGone, encode_arg
+from sandbox_kernel.config import Settings, open_client
+from sandbox_kernel.sandbox.cost import Cost, Meter
+from sandbox_kernel.sandbox.early_start import EarlyStart
 
-log = logging.getLogger("sandbox_kernel.session")
+log = logging.getLogger("sandbox_kernel.sandbox.session")
 
 RUNNER_DIR = "/tmp/sandbox-kernel"
 RUNNER_PATH = f"{RUNNER_DIR}/runner.py"
 RUNNER_CLIENT_PATH = f"{RUNNER_DIR}/runner_client.py"
 # Uploaded at every runner start: the runner's bundle (the daemon, its modules, its light
 # client), whose hash the runner reports (runner_bundle.py).
-RUNNER_FILES = {f"{RUNNER_DIR}/{name}": Path(__file__).with_name(name) for name in runner_bundle.FILES}
+RUNNER_FILES = {f"{RUNNER_DIR}/{name}": Path(runner_bundle.__file__).with_name(name) for name in runner_bundle.FILES}
 SANDBOX_PYTHON = "python3"
 # Keep each exec argument well under Linux's 128 KiB per-argument limit.
 MAX_INLINE_CODE = 64 * 1024

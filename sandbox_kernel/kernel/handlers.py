@@ -27,34 +27,29 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Never, TypeVar
 
-if __name__ == "__main__":
-    # Started as a kernel: begin making the sandbox now, while ipykernel is imported
-    # below (about as long). It is taken over in _boot.
-    from sandbox_kernel import early_start
-
-    early_start.begin(sys.argv[1:])
-
-import zmq  # noqa: E402 (after the early start, on purpose)
+import zmq
 from ipykernel import kernel_protocol_version
 from ipykernel.kernelapp import IPKernelApp
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
-from . import __version__, early_start, ownership, runner_protocol as protocol
-from .allocator import reuse_large_buffers
-from .api import SandboxAPIError
-from .config import ConfigError, Settings
-from .event_lines import stream_content
-from .history import open_history
-from .magics import MagicError, SandboxMagics, Segment, split_cell
-from .output import CellOutput, OutputGuard
-from .output_safety import OutputFilter
-from .paths import handoff_path, state_dir, write_private
-from .session import RESTART_HANDOFF_WAIT, RunnerDied, SandboxSession, SessionError
-from .shutdown_policy import farewell
-from .usage import LOADING, unknown_usage, usage_reply
+from sandbox_kernel import __version__
+from sandbox_kernel.sandbox import early_start, ownership
+from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.kernel.allocator import reuse_large_buffers
+from sandbox_kernel.api import SandboxAPIError
+from sandbox_kernel.config import ConfigError, Settings
+from sandbox_kernel.kernel.event_lines import stream_content
+from sandbox_kernel.kernel.history import open_history
+from sandbox_kernel.kernel.magics import MagicError, SandboxMagics, Segment, split_cell
+from sandbox_kernel.kernel.output import CellOutput, OutputGuard
+from sandbox_kernel.kernel.output_safety import OutputFilter
+from sandbox_kernel.paths import handoff_path, state_dir, write_private
+from sandbox_kernel.sandbox.session import RESTART_HANDOFF_WAIT, RunnerDied, SandboxSession, SessionError
+from sandbox_kernel.sandbox.shutdown_policy import farewell
+from sandbox_kernel.kernel.usage import LOADING, unknown_usage, usage_reply
 
-log = logging.getLogger("sandbox_kernel.kernel")
+log = logging.getLogger("sandbox_kernel.kernel.handlers")
 
 HANDOFF_MAX_AGE = RESTART_HANDOFF_WAIT  # a restart hand-off older than this is stale
 # Shutting down while the sandbox still starts: wait this long for it (jupyter_client kills
@@ -1135,7 +1130,3 @@ def main() -> None:
     # `--IPKernelApp.log_level=INFO` shows them; by default stderr stays as quiet as ipykernel's.
     logging.getLogger("sandbox_kernel").setLevel(app.log_level)
     app.start()
-
-
-if __name__ == "__main__":
-    main()

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .paths import state_dir, write_private
+from sandbox_kernel.paths import state_dir, write_private
 
 KERNEL_MARKER = b"sandbox_kernel.kernel"  # in the command line of every sandbox kernel
 CREATING = "creating-"

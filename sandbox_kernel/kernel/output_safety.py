@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .safe_html import risky_tex, safe_html
+from sandbox_kernel.kernel.safe_html import risky_tex, safe_html
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # Renderers that run no code of the output's: text, images (SVG too: JupyterLab 4 shows it as

@@ -20,7 +20,7 @@ SPEC_FILES = ("kernel.json", "logo-32x32.png", "logo-64x64.png")
 
 def spec_source() -> Traversable:
     """The kernelspec/ folder: beside the package in a source checkout, inside it in a wheel."""
-    checkout = Path(__file__).resolve().parent.parent / "kernelspec"
+    checkout = Path(__file__).resolve().parents[2] / "kernelspec"
     if (checkout / "kernel.json").is_file():
         return checkout
     return files("sandbox_kernel.kernelspec_files")

@@ -9,13 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from .api import SandboxAPIError
-from .config import ENV_VARS, ConfigError, Settings, open_client
-from .paths import state_dir
+from sandbox_kernel.api import SandboxAPIError
+from sandbox_kernel.config import ENV_VARS, ConfigError, Settings, open_client
+from sandbox_kernel.paths import state_dir
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .local.service import serve, stop_engine
+    from sandbox_kernel.local.service import serve, stop_engine
 
     if args.stop:
         where = args.state_dir or state_dir()
@@ -33,7 +33,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_install(args: argparse.Namespace) -> int:
-    from .kernelspec import install
+    from sandbox_kernel.cli.kernelspec import install
 
     options = {name: getattr(args, name) for name in
                ("provider", "shape", "rootfs", "egress", "auto_pause", "on_shutdown", "warm_pool")}
@@ -41,7 +41,7 @@ def cmd_install(args: argparse.Namespace) -> int:
     Settings.from_env({"CREATEOS_SANDBOX_API_KEY": "checked-later"}, kernel_args=options,
                       argument_name=lambda name: "--" + name.replace("_", "-"))
     if args.shape and args.provider != "createos":  # CreateOS may know shapes we do not
-        from .local.engine import SHAPES
+        from sandbox_kernel.local.engine import SHAPES
 
         if args.shape not in (known := [shape.id for shape in SHAPES]):
             raise ConfigError(f"--shape: no shape {args.shape!r} (known: {', '.join(known)}; "
@@ -59,9 +59,10 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 async def _list(settings: Settings) -> int:
-    from . import names, ownership, pool
-    from .cost import Meter
-    from .magics import describe_age
+    from sandbox_kernel.api import names
+    from sandbox_kernel.sandbox import ownership, pool
+    from sandbox_kernel.sandbox.cost import Meter
+    from sandbox_kernel.kernel.magics import describe_age
 
     async with await open_client(settings) as client:
         sandboxes = await client.list_sandboxes()
@@ -78,7 +79,8 @@ async def _list(settings: Settings) -> int:
 
 
 async def _remove(settings: Settings, refs: list[str]) -> int:
-    from . import names, ownership
+    from sandbox_kernel.api import names
+    from sandbox_kernel.sandbox import ownership
 
     async with await open_client(settings) as client:
         views = await client.list_sandboxes()
@@ -96,7 +98,8 @@ async def _remove(settings: Settings, refs: list[str]) -> int:
 
 
 async def _collect(settings: Settings, dry_run: bool) -> int:
-    from . import names, ownership, pool
+    from sandbox_kernel.api import names
+    from sandbox_kernel.sandbox import ownership, pool
 
     async with await open_client(settings) as client:
         listed_at = time.time()
@@ -122,13 +125,13 @@ async def _collect(settings: Settings, dry_run: bool) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .headless import run_notebook
+    from sandbox_kernel.cli.headless import run_notebook
 
     return run_notebook(args.notebook, args.kernel, args.output, args.timeout, args.allow_errors)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import report
+    from sandbox_kernel.cli.doctor import report
 
     ok, lines = report()
     print("\n".join(lines))

@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from . import names, ownership
-from .api import NotFoundError, SandboxAPIError, SandboxClient, SandboxStatus, SandboxView
-from .cost import PriceBook
+from sandbox_kernel.api import names
+from sandbox_kernel.sandbox import ownership
+from sandbox_kernel.api import NotFoundError, SandboxAPIError, SandboxClient, SandboxStatus, SandboxView
+from sandbox_kernel.sandbox.cost import PriceBook
 
-log = logging.getLogger("sandbox_kernel.shutdown_policy")
+log = logging.getLogger("sandbox_kernel.sandbox.shutdown_policy")
 
 
 @dataclass(frozen=True)

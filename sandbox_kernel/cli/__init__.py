@@ -1,0 +1,1 @@
+"""The `sandbox-kernel` command: install, run, serve, ls, rm, gc, doctor."""
