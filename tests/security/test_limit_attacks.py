@@ -7,7 +7,7 @@ its Python state; another notebook keeps working. A fork bomb may stall its own 
 The attacked notebook drives a small sandbox made for it (1 vCPU, 512 MiB, a 64 MiB
 disk), attached with SANDBOX_KERNEL_SANDBOX_ID, so the disk fills in a moment. The memory
 bomb in the runner itself (the cell is killed, and the kernel dies with its Python) is
-tests/test_limits_kernel.py.
+tests/e2e/test_limits_kernel.py.
 """
 
 from __future__ import annotations

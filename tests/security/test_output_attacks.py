@@ -5,7 +5,7 @@ script or a handler, an HTML widget, an Output widget carrying Javascript, a wid
 library whose frontend runs the model's code) and prints that it did all of it; what reaches
 IOPub, the page's only source, must carry nothing that runs there. `%sandbox trust-output on`
 lets it through unchanged (which shows the test sees the attack when it is there).
-In JupyterLab itself: tests/test_output_safety_browser.py.
+In JupyterLab itself: tests/browser/test_output_safety_browser.py.
 """
 
 from __future__ import annotations

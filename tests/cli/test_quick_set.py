@@ -11,7 +11,7 @@ from quick_set import QUICK
 
 
 def test_every_quick_test_is_collected() -> None:
-    root = Path(__file__).parent.parent
+    root = Path(__file__).resolve().parents[2]
     listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "quick",
                              "-p", "no:cacheprovider"], cwd=root, capture_output=True, text=True, check=True)
     collected = {line for line in listed.stdout.splitlines() if "::" in line}

@@ -16,7 +16,7 @@ import pytest
 from sandbox_kernel.guest.runner_client import waits_for_done, with_op
 from test_runner import Daemon, b64, new_cell_id, parse
 
-CLIENT = Path(__file__).resolve().parents[1] / "sandbox_kernel" / "guest" / "runner_client.py"
+CLIENT = Path(__file__).resolve().parents[2] / "sandbox_kernel" / "guest" / "runner_client.py"
 
 pytestmark = pytest.mark.timeout(60)
 

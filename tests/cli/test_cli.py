@@ -7,22 +7,17 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from jupyter_client.manager import start_new_kernel
 
+from cli_helpers import cli
 from engine_helpers import sandbox_status
 from kernel_helpers import PROVIDER, TIMEOUT, execute, running_kernel
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
-
-
-def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sandbox_kernel", *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)
 
 
 def test_install_a_createos_variant_without_the_key(tmp_path: Path) -> None:

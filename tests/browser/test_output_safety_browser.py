@@ -1,6 +1,6 @@
 """The output filter in a real browser: Chromium's own HTML parser, and JupyterLab itself.
 
-First the attack strings of tests/output_attacks.py, put into a page as JupyterLab puts a
+First the attack strings of tests/support/output_attacks.py, put into a page as JupyterLab puts a
 fresh output (innerHTML, then its scripts re-created so that they run): unfiltered, those that
 fire unaided do set the page's marker; filtered, none does. Then a notebook on the sandbox
 kernel in JupyterLab (tests/browser_helpers.py): a cell displays a Javascript object, HTML with

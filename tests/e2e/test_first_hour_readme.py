@@ -2,7 +2,7 @@
 environment's `bin` first on PATH (what `. .venv/bin/activate` does) and Jupyter's data
 dir private (`install --user` writes there). Left out, and why: creating the venv and `pip
 install` (this run is already installed into one), `jupyter lab` and `jupyter console`
-(interactive; tests/test_browser.py and tests/test_console.py drive them)."""
+(interactive; tests/browser/test_browser.py and tests/e2e/test_console.py drive them)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOT_RUN = ("jupyter lab", "jupyter console", "python3 -m venv", ". .venv/bin/activate", "pip install")
 
 

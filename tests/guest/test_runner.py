@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-RUNNER = Path(__file__).resolve().parents[1] / "sandbox_kernel" / "guest" / "runner.py"
+RUNNER = Path(__file__).resolve().parents[2] / "sandbox_kernel" / "guest" / "runner.py"
 CLIENT = RUNNER.with_name("runner_client.py")  # the kernel's client of the daemon
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,5 +1,5 @@
 """The memory limit seen from a notebook: the Python killed at the limit is a kernel's death
-for the frontend (tests/test_runner_death.py), and the cell says it was the memory limit."""
+for the frontend (tests/e2e/test_runner_death.py), and the cell says it was the memory limit."""
 
 from __future__ import annotations
 

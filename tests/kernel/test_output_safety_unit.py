@@ -1,6 +1,6 @@
 """The output filter on its own: HTML, mime bundles and widget comm messages from the sandbox,
 as the page would get them. What Chromium makes of the same strings, and JupyterLab of
-a cell's output, is checked in tests/test_output_safety_browser.py."""
+a cell's output, is checked in tests/browser/test_output_safety_browser.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 is gone as they do when ipykernel's Python dies: the kernel process ends (nbclient raises
 DeadKernelError; JupyterLab's restarter starts the kernel again), after saying in the cell
 why the Python died. The restarted kernel drives the same sandbox with a fresh Python: the
-files are kept. (The memory limit's cause: tests/test_limits_kernel.py.)
+files are kept. (The memory limit's cause: tests/e2e/test_limits_kernel.py.)
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "run.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "run.py"
 ROWS = ("trivial cell round trip", "streaming: first chunk", "streaming: lag", "streaming: throughput",
         "a background thread's print",
         "matplotlib PNG", "DataFrame HTML", "start to first result, cold", "start to first result, warm",

@@ -27,7 +27,7 @@ from sandbox_kernel.api.kept_connections import KeptConnections
 from sandbox_kernel.config import Settings
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.sandbox.session import SandboxSession, SessionError
-from test_cli import cli
+from cli_helpers import cli
 
 pytestmark = pytest.mark.slow
 

@@ -200,7 +200,7 @@ def test_the_runner_dying_while_stopped_is_the_kernel_dying(kernelspec: str) -> 
         killed = dap(kc, "evaluate", {"expression": "__import__('os').kill(__import__('os').getpid(), 9)",
                                       "frameId": frame, "context": "repl"})
         assert not killed["success"] and killed["message"]
-        # As a kernel whose Python dies (tests/test_runner_death.py): the cell says why, and
+        # As a kernel whose Python dies (tests/e2e/test_runner_death.py): the cell says why, and
         # the kernel process ends, so that the frontend restarts it.
         said = ""
         while "died" not in said:

@@ -1,4 +1,4 @@
-"""JupyterLab and Chromium for the browser tests (tests/*_browser.py, tests/test_browser.py).
+"""JupyterLab and Chromium for the browser tests (tests/*_browser.py, tests/browser/test_browser.py).
 
 One JupyterLab server serves every browser test of a run (the `jupyterlab` fixture in
 conftest.py): starting one takes 5 to 10 s, more than most of these tests spend on their own
@@ -33,7 +33,7 @@ import pytest
 
 from engine_helpers import stop_process
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 TIMEOUT_MS = 60_000
 NOTEBOOK = "demo.ipynb"
 

@@ -14,7 +14,7 @@ import pytest
 
 from sandbox_kernel.kernel.event_lines import parse_event_line, stream_content
 
-RUNNER = Path(__file__).parent.parent / "sandbox_kernel" / "guest" / "runner.py"
+RUNNER = Path(__file__).resolve().parents[2] / "sandbox_kernel" / "guest" / "runner.py"
 TRICKY_TEXT = 'plain, "quoted", back\\slash, tab\t, bell\x07, é, 漢字, 🙂, lone \ud800, "text": "x"}\n'
 
 

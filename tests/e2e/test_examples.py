@@ -19,7 +19,7 @@ from package_index import PACKAGE, serving_index
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def run_example(name: str, tmp_path: Path, kernel: str, **parameters: Any) -> list[str]:

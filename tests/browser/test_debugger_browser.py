@@ -1,6 +1,6 @@
 """The JupyterLab debugger in a real browser, on code running in the sandbox.
 
-JupyterLab and Chromium as in tests/test_browser.py (tests/browser_helpers.py). The user
+JupyterLab and Chromium as in tests/browser/test_browser.py (tests/browser_helpers.py). The user
 switches the debugger on in the notebook's toolbar, clicks the gutter of a cell's line to set
 a breakpoint and runs the cell: it stops there, in the sandbox, and the debugger panel shows
 the cell's variables. The screenshot is kept in test-artifacts/.

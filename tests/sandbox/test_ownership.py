@@ -22,7 +22,7 @@ from kernel_helpers import PROVIDER, TIMEOUT, Execution, execute
 from sandbox_kernel.api import SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.sandbox.session import FORK_AUTO_PAUSE
-from test_cli import cli
+from cli_helpers import cli
 
 pytestmark = pytest.mark.slow
 GONE = (SandboxStatus.DESTROYED, None)  # None: the engine already forgot it

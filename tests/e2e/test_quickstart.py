@@ -17,7 +17,7 @@ from kernel_helpers import plain_traceback
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 class TimedClient(NotebookClient):

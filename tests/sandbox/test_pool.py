@@ -19,7 +19,7 @@ from sandbox_kernel.sandbox import pool
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
 from sandbox_kernel.config import ENV_VARS, ConfigError, Settings
 from sandbox_kernel.local.service import EngineEndpoint
-from test_cli import cli
+from cli_helpers import cli
 
 POOL_SIZE = 2
 SANDBOX_ID = "import os\nprint(os.environ['SANDBOX_ID'])"

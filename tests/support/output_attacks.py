@@ -3,7 +3,7 @@
 Each payload sets `top.__pwned` when its code runs: in the page that is the page's own window;
 from a sandboxed frame (an opaque origin) the write throws, so the page stays clean.
 FIRES_UNAIDED are the payloads that run as soon as JupyterLab puts them into the page (innerHTML,
-then its scripts re-created), with no click (the others are in NOT_UNAIDED): tests/test_output_safety_browser.py proves that on
+then its scripts re-created), with no click (the others are in NOT_UNAIDED): tests/browser/test_output_safety_browser.py proves that on
 the unfiltered payloads before it shows that none runs after the filter.
 """
 

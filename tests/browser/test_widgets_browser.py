@@ -1,6 +1,6 @@
 """ipywidgets in JupyterLab in a real browser, with the widgets' Python side in the sandbox.
 
-JupyterLab and Chromium as in tests/test_browser.py (tests/browser_helpers.py). The widget
+JupyterLab and Chromium as in tests/browser/test_browser.py (tests/browser_helpers.py). The widget
 models live in the sandbox; every change made in the page travels frontend → kernel →
 sandbox as a comm message, and every change made in the sandbox comes back the same way.
 Screenshots are kept in test-artifacts/.
