@@ -5,6 +5,7 @@ a cell's output, is checked in tests/browser/test_output_safety_browser.py."""
 from __future__ import annotations
 
 import html
+from random import Random
 from typing import Any
 
 import pandas as pd
@@ -12,6 +13,7 @@ import pytest
 
 from output_attacks import ATTACKS, Tags, assert_inert, assert_isolated
 from sandbox_kernel.kernel import output_safety
+from sandbox_kernel.kernel import safe_html as safe_html_module
 from sandbox_kernel.kernel.output_safety import OutputFilter, safe_markdown
 from sandbox_kernel.kernel.safe_html import safe_html, sanitize
 
@@ -247,3 +249,45 @@ def test_the_comms_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch) -> No
     assert len(output.widgets) + len(output.withheld) + len(output.other_comms) == 3
     output.comm_from_sandbox("comm_close", {"comm_id": "s0", "data": {}}, [])
     assert output.comm_from_sandbox("comm_open", widget_open("again", "IntSliderView"), []) is not None
+
+
+# -- the simple shape's shortcut reads HTML exactly as the parser does -------------------------
+
+FRAGMENTS = [
+    "<td>", "</td>", "<tr>", "</tr>", "<th>", "</th>", "<b>", "</b>", "<i>", "</i>", "<div>", "</div>",
+    '<td class="x">', '<p align="left" style="color: red">', '<span id="a">', '<a href="https://e.org">',
+    '<a href="javascript:x()">', "</a>", '<img src="data:image/png;base64,AA">', "<br>", "<br/>",
+    "<unknown>", "</unknown>", "<style scoped>.a { color: red }</style>", "<style>.a{background:url(x)}</style>",
+    "<style>", "</style>", "<script>x()</script>", "<svg>", "<TD>", "<td onclick=\"x()\">", "<td title='q'>",
+    '<td title="a&amp;b">', "<!-- c -->", "<!doctype html>", "text", " 1 &lt; 2 ", "a > b", "it's", '"q"',
+    "\\href{x}", "\n  ", "<td\nclass=\"x\">", "</td >", "<p title=\"<b>\">", "<table border=\"1\">", "</table>",
+]
+
+
+def simple_and_parsed(source: str) -> tuple[safe_html_module.Sanitized | None, safe_html_module.Sanitized]:
+    fast = safe_html_module._sanitize_simple(source, safe_html_module._Sanitizer("scope"))
+    parser = safe_html_module._Sanitizer("scope")
+    parser.feed(source)
+    parser.close()
+    return fast, parser.result()
+
+
+def test_the_shortcut_gives_the_parsers_html_or_leaves_it_to_the_parser() -> None:
+    random = Random(20261206)
+    taken = 0
+    for _ in range(3000):
+        source = "".join(random.choice(FRAGMENTS) for _ in range(random.randint(1, 12)))
+        fast, parsed = simple_and_parsed(source)
+        if fast is not None:
+            taken += 1
+            assert fast == parsed, source
+    for attack in ATTACKS:
+        fast, parsed = simple_and_parsed(attack)
+        assert fast is None or (fast == parsed and not parsed.active), attack
+    assert taken > 300  # the shortcut is taken for a good part of the mixes, not never
+
+
+def test_a_large_dataframe_takes_the_shortcut_and_reads_the_same() -> None:
+    frame = pd.DataFrame({"n": range(300), "word": ["w"] * 300}).to_html() + pd.DataFrame([[1]])._repr_html_()
+    fast, parsed = simple_and_parsed(frame)
+    assert fast is not None and fast == parsed
