@@ -18,7 +18,7 @@ from createos.models import (
     ManagedProcessWaitScope,
 )
 
-from engine_helpers import sandbox_pids
+from engine_helpers import agent_pid
 from sandbox_kernel.guest.agent.processes import READ_CHUNK, WINDOW_BYTES
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -53,7 +53,7 @@ def finish(sandbox: SandboxInstance, process_id: str) -> None:
 
 
 def test_flood_with_nobody_connected(engine: EngineEndpoint, sandbox: SandboxInstance) -> None:
-    (agent,) = sandbox_pids(sandbox.id, b"agent.py")
+    agent = agent_pid(sandbox.id)
     engine_before, agent_before = rss(engine.pid), rss(agent)
     started = sandbox.processes.create(ManagedProcessCreateRequest(command="python3", arguments=["-c", FLOOD]))
     finish(sandbox, started.process_id)
@@ -64,7 +64,7 @@ def test_flood_with_nobody_connected(engine: EngineEndpoint, sandbox: SandboxIns
 
 
 def test_flood_with_a_slow_reader(engine: EngineEndpoint, sandbox: SandboxInstance) -> None:
-    (agent,) = sandbox_pids(sandbox.id, b"agent.py")
+    agent = agent_pid(sandbox.id)
     engine_before, agent_before = rss(engine.pid), rss(agent)
     started = sandbox.processes.create(ManagedProcessCreateRequest(command="python3", arguments=["-c", FLOOD]))
     received, gaps, last = 0, [], 0

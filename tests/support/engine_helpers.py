@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 from sandbox_kernel.api import NotFoundError, SandboxAPIError, SandboxClient, SandboxStatus
 from sandbox_kernel.local import freezer as freezers
 from sandbox_kernel.local.service import EngineEndpoint, read_endpoint
+from sandbox_kernel.paths import state_dir
 
 
 @contextlib.contextmanager
@@ -84,6 +86,29 @@ def sandbox_pids(sandbox_id: str, needle: bytes = b"") -> list[int]:
         if marker in environ.split(b"\0") and needle in cmdline:
             found.append(int(entry.name))
     return found
+
+
+def agent_pid(sandbox_id: str) -> int:
+    """The sandbox's agent, found under the bwrap process the engine recorded for it (in the
+    state dir of this test run). sandbox_pids cannot find it when the engine runs as a normal
+    user: the agent makes itself undumpable, so its environment cannot be read."""
+    record = json.loads((state_dir() / "sandboxes" / sandbox_id / "record.json").read_text())
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(entry.path, "stat").read_text()
+                children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry.name))
+    pending, agents = [record["family"]["bwrap_pid"]], []
+    while pending:  # the first process running agent.py below bwrap (the agent forks helpers)
+        pid = pending.pop()
+        with contextlib.suppress(OSError):
+            if b"agent.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                agents.append(pid)
+                continue
+        pending += children.get(pid, [])
+    (agent,) = agents
+    return agent
 
 
 def cpu_ticks(pids: list[int]) -> int:
