@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import signal
@@ -25,7 +24,7 @@ import pytest
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.manager import AsyncKernelManager
 
-from engine_helpers import running_engine
+from engine_helpers import running_engine, sandbox_tree
 from kernel_helpers import is_status_line
 from message_spec import validate
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
@@ -71,25 +70,6 @@ def connected_to(port: int, pids: list[int]) -> set[int]:
                         found.add(pid)
                         break
     return found
-
-
-def sandbox_tree(state: Path, sandbox_id: str) -> list[int]:
-    """The sandbox's bwrap process (from the engine's record of it) and its descendants, if
-    that bwrap still runs."""
-    family = json.loads((state / "sandboxes" / sandbox_id / "record.json").read_text())["family"]
-    if start_time(family["bwrap_pid"]) != family["bwrap_started"]:
-        return []
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                stat = Path(entry.path, "stat").read_text()
-                children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry.name))
-    tree, todo = [], [family["bwrap_pid"]]
-    while todo:
-        tree.append(pid := todo.pop())
-        todo.extend(children.get(pid, []))
-    return tree
 
 
 async def create_sandbox(endpoint: EngineEndpoint) -> str:

@@ -18,6 +18,7 @@ import pytest
 
 from sandbox_kernel.api import NotFoundError, SandboxAPIError, SandboxClient, SandboxStatus
 from sandbox_kernel.local import freezer as freezers
+from sandbox_kernel.local.registry import start_time
 from sandbox_kernel.local.service import EngineEndpoint, read_endpoint
 from sandbox_kernel.paths import state_dir
 
@@ -88,27 +89,39 @@ def sandbox_pids(sandbox_id: str, needle: bytes = b"") -> list[int]:
     return found
 
 
-def agent_pid(sandbox_id: str) -> int:
-    """The sandbox's agent, found under the bwrap process the engine recorded for it (in the
-    state dir of this test run). sandbox_pids cannot find it when the engine runs as a normal
-    user: the agent makes itself undumpable, so its environment cannot be read."""
-    record = json.loads((state_dir() / "sandboxes" / sandbox_id / "record.json").read_text())
+def sandbox_tree(state: Path, sandbox_id: str) -> list[int]:
+    """The sandbox's bwrap process (from the engine's record of it) and its descendants, if
+    that bwrap still runs."""
+    family = json.loads((state / "sandboxes" / sandbox_id / "record.json").read_text())["family"]
+    if start_time(family["bwrap_pid"]) != family["bwrap_started"]:
+        return []
     children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
                 stat = Path(entry.path, "stat").read_text()
                 children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry.name))
-    pending, agents = [record["family"]["bwrap_pid"]], []
-    while pending:  # the first process running agent.py below bwrap (the agent forks helpers)
-        pid = pending.pop()
-        with contextlib.suppress(OSError):
-            if b"agent.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                agents.append(pid)
-                continue
-        pending += children.get(pid, [])
-    (agent,) = agents
+    tree, todo = [], [family["bwrap_pid"]]
+    while todo:
+        tree.append(pid := todo.pop())
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def agent_pid(sandbox_id: str) -> int:
+    """The sandbox's agent, found under the bwrap process the engine recorded for it (in the
+    state dir of this test run). sandbox_pids cannot find it when the engine runs as a normal
+    user: the agent makes itself undumpable, so its environment cannot be read."""
+    agents = [pid for pid in sandbox_tree(state_dir(), sandbox_id)
+              if b"agent.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    # The agent forks helpers that run agent.py too: the agent is the one whose parent is not.
+    (agent,) = [pid for pid in agents if parent_pid(pid) not in agents]
     return agent
+
+
+def parent_pid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 def cpu_ticks(pids: list[int]) -> int:
