@@ -257,7 +257,7 @@ def test_a_directory_download_and_bad_json_are_400s_naming_the_problem(
 
 
 def test_the_everyday_methods_work(vendor: Client, vendor_sandbox: SandboxInstance) -> None:
-    """The rest of the README's compatibility table marked "works", each called once."""
+    """The rest of the compatibility table (docs/createos.md) marked "works", each called once."""
     assert vendor.health().up and vendor.readiness().ready
     assert vendor.who_am_i().stats.running >= 1
     assert SHAPE in {shape.id for shape in vendor.list_shapes()}

@@ -142,7 +142,7 @@ async def test_no_host_path_of_the_engine_shows_in_mountinfo(client: SandboxClie
         assert checkout not in line, line
         if disk.available() or mount_point not in ("/workspace", "/tmp"):
             # Without a capped volume (a normal user), /workspace and /tmp are binds of
-            # directories in the state dir, and show as such (README, Isolation).
+            # directories in the state dir, and show as such (docs/security.md, Isolation).
             assert str(state_dir) not in line and sandbox not in line, line
 
 
@@ -258,7 +258,7 @@ async def test_fork_and_source_memory_and_environment(client: SandboxClient) -> 
     """Each side starts a marked `sleep` whose environment holds a secret given only to
     that side, then looks for the other's: they share a pid namespace, so each sees the
     other's process. The fork cannot read or write its source's processes. The source CAN
-    read and write its fork's (what README's Isolation section states, and why: the fork's
+    read and write its fork's (what docs/security.md's Isolation section states, and why: the fork's
     user namespace is a child of the source's, owned by the same user)."""
     source = (await client.create_sandbox(CreateSandboxRequest(
         shape="s-1vcpu-512mb", disk_mib=64, envs={"SECRET": "source-only"}))).id

@@ -132,7 +132,7 @@ def test_a_fork_bomb_is_contained_to_its_sandbox(kc, kernelspec: str, small_sand
     """Every process of a Python fork bomb forks for 5 s. Forking stops at the pids limit
     (EAGAIN), but the ~500 processes of a few MiB each press the 512 MiB memory limit: the
     sandbox may stall, thrashing in its own memory cgroup, for minutes (the known cost of
-    a bomb that stays under every limit; the README says so). What must hold is that it is
+    a bomb that stays under every limit; docs/security.md says so). What must hold is that it is
     contained: the sandbox never holds more than its pids limit, another notebook starts
     and runs meanwhile, the engine answers, destroying the sandbox ends every process of
     it, and the attacked notebook's cell then ends with one line and its kernel lives."""
