@@ -202,13 +202,13 @@ class SandboxKernel(Kernel):
             for sandbox_id in handoff.get("owned", []):
                 ownership.own(sandbox_id)
             await self.sandbox.start(attach_to=handoff["sandbox_id"], fresh_runner=True)
-            self.sandbox.on_shutdown = handoff.get("on_shutdown", "destroy")
+            self.sandbox.set_on_shutdown(handoff.get("on_shutdown", "destroy"))
         else:
             await self.sandbox.start(attach_to=self.settings.attach_to, fresh_runner=False,
                                      early=early_start.take())
             self.other_version_line = self.sandbox.other_version_line()
         if self.settings.on_shutdown:
-            self.sandbox.on_shutdown = self.settings.on_shutdown
+            self.sandbox.set_on_shutdown(self.settings.on_shutdown)
         log.info("%s", self._ready_line())
 
     async def _ensure_session(self, out: CellOutput, silent: bool) -> SandboxSession:

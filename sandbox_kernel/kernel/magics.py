@@ -433,13 +433,12 @@ class SandboxMagics:
         if not ownership.owns(view.id):
             raise MagicError(f"%sandbox keep: {view.id} is not this notebook's to hand off "
                              "(it was attached, or is kept already)")
-        ownership.keep(view.id)
-        self.session.kept.append(view.id)
+        self.session.keep(view.id)
         self.out.text(f"Sandbox {view.id} ({names.display_name(view)}) is kept: it outlives this notebook "
                       f"and gc leaves it; `sandbox-kernel rm {view.id}` destroys it\n")
 
     async def do_on_shutdown(self, args: argparse.Namespace) -> None:
-        self.session.on_shutdown = args.policy
+        self.session.set_on_shutdown(args.policy)
         outcome = {"destroy": "destroyed", "pause": "paused", "keep": "kept"}[args.policy]
         owned = ownership.owned_here()
         which = (f"sandbox {owned[0]}" if len(owned) == 1 else
