@@ -41,7 +41,9 @@ from sandbox_kernel.api import SandboxAPIError
 from sandbox_kernel.config import ConfigError, Settings
 from sandbox_kernel.kernel.event_lines import stream_content
 from sandbox_kernel.kernel.history import open_history
-from sandbox_kernel.kernel.magics import MagicError, SandboxMagics, Segment, split_cell
+from sandbox_kernel.kernel.magics.dispatch import SandboxMagics
+from sandbox_kernel.kernel.magics.parsing import MagicError, Segment, split_cell
+from sandbox_kernel.kernel.magics.egress import show_refusals
 from sandbox_kernel.kernel.output import CellOutput, OutputGuard
 from sandbox_kernel.kernel.output_safety import OutputFilter
 from sandbox_kernel.paths import handoff_path, state_dir, write_private
@@ -443,7 +445,7 @@ class SandboxKernel(Kernel):
         before, self.refusals_seen[sandbox_id] = self.refusals_seen[sandbox_id], view.denied_count
         self.refusals_hinted[sandbox_id] = hint
         if before is not None and view.denied_count is not None:
-            magics.show_refusals(view, before)
+            show_refusals(magics.out, view, before)
 
     async def _run_code(self, session: SandboxSession, code: str, silent: bool,
                         store_history: bool, out: CellOutput, fields: dict[str, Any]) -> dict[str, Any]:
