@@ -1,9 +1,10 @@
 """SandboxKernel: an ipykernel Kernel whose cells run in a sandbox.
 
 The kernel is its handler table: each shell and control message type it handles itself is
-mapped to the handler of the module whose one job it is (SHELL_HANDLERS, CONTROL_HANDLERS);
-every other message type is ipykernel's own handler, which calls this class's do_* hooks
-(do_execute, do_complete, do_debug_request...), themselves handed to those modules:
+mapped to the handler of the module whose one job it is (SHELL_HANDLERS, CONTROL_HANDLERS).
+The other message types keep ipykernel's handler (connect, shutdown, complete, inspect,
+history, is_complete, debug), which calls this class's do_* hook where there is one to
+answer (do_complete, do_debug_request...), itself handed to those modules:
 
   boot.py        the sandbox's start (early start, restart hand-off, progress line)
   execute.py     a cell: magic lines on the host, code in the sandbox, its reply
@@ -87,6 +88,9 @@ Handler = Callable[[Any, Any, dict[str, Any]], Awaitable[None]]
 
 
 class SandboxKernel(Kernel):
+    """ipykernel's Kernel with the handlers of SHELL_HANDLERS and CONTROL_HANDLERS, and the
+    do_* hooks of the messages ipykernel handles, answered for the sandbox."""
+
     implementation = "sandbox-kernel"
     implementation_version = __version__
     language = "python"
@@ -139,10 +143,10 @@ class SandboxKernel(Kernel):
         self.queues_aborted_early: set[str | None] = set()
         # The count each execute_input showed, by request, until its do_execute takes it.
         self.announced_counts: dict[str, int] = {}
-        self.shell_handlers.update(self.handlers(SHELL_HANDLERS))
-        self.control_handlers.update(self.handlers(CONTROL_HANDLERS))
+        self.shell_handlers.update(self.bind_handlers(SHELL_HANDLERS))
+        self.control_handlers.update(self.bind_handlers(CONTROL_HANDLERS))
 
-    def handlers(self, table: dict[str, str]) -> dict[str, Handler]:
+    def bind_handlers(self, table: dict[str, str]) -> dict[str, Handler]:
         """The handlers a table names, bound to this kernel's modules."""
         bound: dict[str, Handler] = {}
         for msg_type, path in table.items():

@@ -32,7 +32,7 @@ class Shutdown:
         # Set when a shutdown or restart begins ("shutting down", "restarting"): a cell that
         # comes then is answered at once, with one line, rather than run in a closing sandbox.
         self.stopping: str | None = None
-        # execute_requests handled and not answered yet, on any thread (see replies_sent).
+        # execute_requests handled and not answered yet, on any thread (see _replies_sent).
         self.unanswered = 0
         self.unanswered_lock = threading.Lock()
 

@@ -4,6 +4,7 @@ ages and costs in words."""
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from datetime import datetime, timezone
 
 from sandbox_kernel.api.models import parse_rfc3339
@@ -32,7 +33,7 @@ def describe_cost(cost: Cost) -> str:
             f"paused {describe_seconds(cost.paused_seconds)})")
 
 
-def table(rows: list[tuple[str, ...]]) -> dict[str, str]:
+def table(rows: Sequence[tuple[str, ...]]) -> dict[str, str]:
     """A mime bundle: an HTML table for notebooks, aligned text for everything else. The
     first column is the label; a row may have more cells than another (each column is as
     wide as its widest cell that is not the last of its row)."""
