@@ -62,7 +62,7 @@ async def _list(settings: Settings) -> int:
     from sandbox_kernel.api import names
     from sandbox_kernel.sandbox import ownership, pool
     from sandbox_kernel.sandbox.cost import Meter
-    from sandbox_kernel.kernel.magics import describe_age
+    from sandbox_kernel.kernel.magics.tables import describe_age
 
     async with await open_client(settings) as client:
         sandboxes = await client.list_sandboxes()

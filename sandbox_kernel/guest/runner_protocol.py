@@ -64,3 +64,7 @@ ASK_EXIT = "ask_exit"
 COMM = "comm"  # a comm message the sandbox sends: msg_type, content, metadata, buffers (base64)
 DEBUG_EVENT = "debug_event"  # a DAP event of the debugger (content), between cells ("cell": null)
 DONE = "done"  # the last event of a cell: status ok, error or unknown
+
+# Jupyter's comm messages, the only msg_type a comm message may have either way: a frontend's
+# delivered to the sandbox (RUN's comm), and the sandbox's COMM events to the frontend
+COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")

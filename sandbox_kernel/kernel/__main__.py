@@ -8,6 +8,6 @@ if __name__ == "__main__":
 
     early_start.begin(sys.argv[1:])
 
-    from sandbox_kernel.kernel.handlers import main
+    from sandbox_kernel.kernel.app import main
 
     main()

@@ -8,6 +8,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from sandbox_kernel.guest import runner_protocol as protocol
+
 # Marks the kernel's own lines (sandbox status, progress), so tools can tell them apart
 # from the user's output.
 KERNEL_METADATA = {"sandbox_kernel": {"status": True}}
@@ -93,8 +95,8 @@ class OutputGuard:
 
     def admit(self, event: dict[str, Any]) -> bool:
         """Whether to show this runner event (none past the limit)."""
-        kind = event.get("type")
-        if kind == "stream":
+        kind = event.get(protocol.TYPE)
+        if kind == protocol.STREAM:
             self.used += len(event.get("text", ""))
         elif isinstance(event.get("data"), dict):  # displays and results
             self.used += sum(len(value) if isinstance(value, str) else len(json.dumps(value))

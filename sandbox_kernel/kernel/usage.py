@@ -14,13 +14,23 @@ the reason) instead of reading the nulls.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from sandbox_kernel.guest import runner_protocol as protocol
+
+if TYPE_CHECKING:
+    from sandbox_kernel.kernel.handlers import SandboxKernel
+
+log = logging.getLogger("sandbox_kernel.kernel.usage")
 
 # The fields of psutil's virtual_memory() that ipykernel sends on Linux and the panel shows
 # (it also shows macOS's `wired`, which Linux has not, as ipykernel on Linux does not send it).
 MEMORY_FIELDS = ("total", "available", "percent", "used", "free", "active", "inactive")
 LOADING = "loading"  # the panel's own word for "no numbers yet": it shows "Loading…"
+USAGE_WAIT = 5.0  # seconds a usage_request waits for the sandbox's answer
 
 
 def unknown_usage(reason: str, **details: Any) -> dict[str, Any]:
@@ -58,3 +68,35 @@ def usage_reply(sample: dict[str, Any], memory_limit: int) -> dict[str, Any]:
     memory.update(total=total, available=total - used, used=used, free=total - used,
                   percent=round(100 * used / total, 1) if total else 0.0)
     return reply
+
+
+class UsageReporter:
+    """Answers usage_request from the sandbox's sample."""
+
+    def __init__(self, kernel: SandboxKernel) -> None:
+        self.kernel = kernel
+        self.memory_limits: dict[str, int] = {}  # bytes, per sandbox id (its shape's memory)
+
+    async def request(self, stream, ident, parent):  # type: ignore[no-untyped-def]
+        """JupyterLab's kernel usage panel: the sandbox's CPU and memory (not this process's),
+        in the fields of ipykernel's usage_reply; without a sample, the same fields (null) and
+        the reason (unknown_usage)."""
+        try:
+            content = await self.kernel.on_main_loop(asyncio.wait_for(self._sandbox_usage(), USAGE_WAIT))
+        except asyncio.TimeoutError:
+            content = unknown_usage("timeout", timeout_ms=int(USAGE_WAIT * 1000))  # the panel's word for it
+        except Exception as exc:
+            log.warning("usage: %s", exc)
+            content = unknown_usage("the sandbox did not answer")
+        self.kernel.session.send(stream, "usage_reply", content, parent, ident=ident)
+
+    async def _sandbox_usage(self) -> dict[str, Any]:
+        boot, sandbox = self.kernel.boot, self.kernel.sandbox
+        if not boot.ready():
+            return unknown_usage("no sandbox: it did not start" if boot.failed() else LOADING)
+        assert sandbox is not None
+        sample = await sandbox.runner_request({protocol.OP: protocol.USAGE})
+        sandbox_id = sandbox.sandbox_id or ""
+        if sandbox_id not in self.memory_limits:
+            self.memory_limits[sandbox_id] = ((await sandbox.view()).mem_mib or 0) * 2**20
+        return usage_reply(sample, self.memory_limits[sandbox_id])

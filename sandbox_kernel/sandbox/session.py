@@ -42,7 +42,7 @@ from sandbox_kernel.sandbox import ownership, pool, shutdown_policy
 from sandbox_kernel.guest import runner_bundle, runner_protocol as protocol
 from sandbox_kernel.sandbox.channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxProcesses
 from sandbox_kernel.sandbox.exec_transport import ExecFailed, ExecTransport, RunnerGone, encode_arg
-from sandbox_kernel.config import Settings, open_client
+from sandbox_kernel.config import SHUTDOWN_POLICIES, Settings, open_client
 from sandbox_kernel.sandbox.cost import Cost, Meter
 from sandbox_kernel.sandbox.early_start import EarlyStart
 
@@ -137,6 +137,18 @@ class SandboxSession:
         # Output the runner sends between cells (a background thread's print): the kernel
         # shows it on the last cell's parent.
         self.on_background: EventHandler | None = None
+
+    def keep(self, sandbox_id: str) -> None:
+        """Hand a sandbox of this notebook off (`%sandbox keep`): no kernel destroys it, `gc`
+        leaves it alone, and shutdown lists it among what outlives the notebook."""
+        ownership.keep(sandbox_id)
+        self.kept.append(sandbox_id)
+
+    def set_on_shutdown(self, policy: str) -> None:
+        """What shutdown does to the sandboxes this kernel owns: one of SHUTDOWN_POLICIES."""
+        if policy not in SHUTDOWN_POLICIES:
+            raise ValueError(f"on-shutdown policy {policy!r} is not one of {', '.join(SHUTDOWN_POLICIES)}")
+        self.on_shutdown = policy
 
     # -- start ----------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ from kernel_helpers import VIA_CREATEOS, execute, is_status_line, running_kernel
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.api.models import parse_rfc3339 as parse_time
-from sandbox_kernel.kernel.magics import PARSER, MagicError, describe_age, split_cell
+from sandbox_kernel.kernel.magics.parsing import PARSER, MagicError, split_cell
+from sandbox_kernel.kernel.magics.tables import describe_age
 
 # -- parsing (no kernel) ------------------------------------------------------------------
 

@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel.kernel.magics import EGRESS_HELP, HELP, SandboxMagics
+from sandbox_kernel.kernel.magics.dispatch import SandboxMagics
+from sandbox_kernel.kernel.magics.egress import EGRESS_HELP
+from sandbox_kernel.kernel.magics.parsing import HELP
 from sandbox_kernel.kernel.output import CellOutput
 
 

@@ -1,0 +1,166 @@
+"""%egress: the sandbox's outbound network allowlist, shown and changed through the
+session; and the lines that name the connections it refused during a cell."""
+
+from __future__ import annotations
+
+import argparse
+
+from sandbox_kernel.api import EgressView, egress_rules
+from sandbox_kernel.kernel.magics.family import MagicFamily
+from sandbox_kernel.kernel.magics.parsing import EGRESS, MagicError, MagicParser
+from sandbox_kernel.kernel.magics.tables import table
+from sandbox_kernel.kernel.output import CellOutput
+
+# CreateOS has no deny-all token (an empty list allows all): one rule that matches nothing
+# useful, a port on a documentation-only address (RFC 5737), stands for "block all".
+BLOCK_ALL = egress_rules.DENY_ALL
+SHOWN_REFUSALS = 3  # egress refusals named with their reason after a cell, at most
+EGRESS_HELP = """\
+%egress — the sandbox's outbound network allowlist (enforced outside the sandbox)
+
+  %egress                         the rules, and recent refused connections
+  %egress allow RULE...           add rules
+  %egress deny RULE...            remove rules
+  %egress only RULE...            replace all rules with these
+  %egress block-all               no outbound connection at all
+  %egress open                    allow every public destination (host, private and
+                                  link-local addresses still need a rule)
+  %egress help                    this text; %egress COMMAND --help: that command only
+
+A RULE is host, host:port, *.domain (subdomains), an IPv4/IPv6 address or a CIDR, e.g.
+example.com  api.example.com:443  *.example.org  127.0.0.1:8000  10.0.0.0/8
+or a preset: pypi (the Python package index and its file host, for pip).
+Changes apply to the next connection; an empty list means every public destination.
+"""
+
+
+def build_egress_parser() -> argparse.ArgumentParser:
+    parser = MagicParser(prog=EGRESS, add_help=False)
+    sub = parser.add_subparsers(dest="command")
+    for name in ("show", "block-all", "open", "help"):
+        sub.add_parser(name, add_help=False)
+    for name in ("allow", "deny", "only"):
+        sub.add_parser(name, add_help=False).add_argument("rules", nargs="+", metavar="RULE")
+    return parser
+
+
+EGRESS_PARSER = build_egress_parser()
+
+
+class EgressMagics(MagicFamily):
+    async def help(self, _: argparse.Namespace) -> None:
+        self.out.text(EGRESS_HELP)
+
+    async def show(self, _: argparse.Namespace) -> None:
+        view = await self.session.get_egress()
+        rows: list[tuple[str, ...]] = [("rules", describe_rules(view.egress or []))]
+        if view.denied_count is not None:
+            rows.append(("refused", f"{view.denied_count} connection(s)"))
+            rows += [(d.at[11:19], f"{d.host}:{d.port}", d.reason) for d in (view.denied or [])[-10:]]
+        self.out.display(table(rows))
+
+    async def allow(self, args: argparse.Namespace) -> None:
+        current = (await self.session.get_egress()).egress or []
+        if current and current != [BLOCK_ALL]:  # the server's list is normalized: [] is allow-all
+            await self._set_rules(egress_rules.add(current, checked(args.rules)))
+        elif current:  # from block-all, allowing these means: only these
+            await self._set_rules(checked(args.rules))
+        else:  # from all public destinations, the same, which narrows: say so
+            await self._set_rules(checked(args.rules), note=" (was: all public destinations; "
+                                  "every other destination is now refused)")
+
+    async def deny(self, args: argparse.Namespace) -> None:
+        gone = checked(args.rules)
+        current = (await self.session.get_egress()).egress or []
+        absent = egress_rules.missing(current, gone)
+        if absent:
+            raise MagicError(f"%egress deny: not in the rules: {' '.join(absent)}")
+        remaining = egress_rules.remove(current, gone)
+        if not remaining:
+            raise MagicError("%egress deny: removing the last rule would allow every public destination; "
+                             "use %egress block-all or %egress open")
+        await self._set_rules(remaining)
+
+    async def only(self, args: argparse.Namespace) -> None:
+        await self._set_rules(checked(args.rules))
+
+    async def block_all(self, _: argparse.Namespace) -> None:
+        await self._set_rules([BLOCK_ALL])
+
+    async def open_to_all(self, _: argparse.Namespace) -> None:
+        self.out.text("Warning: every public destination is now reachable from the sandbox "
+                      "(the host, private and link-local addresses still need a rule)\n", name="stderr")
+        await self._set_rules([])
+
+    async def _set_rules(self, rules: list[str], note: str = "") -> None:
+        view: EgressView = await self.session.set_egress(rules)
+        self.out.text(f"egress: {describe_rules(view.egress or [])}{note}\n")
+
+
+def show_refusals(out: CellOutput, view: EgressView, before: int) -> None:
+    """Name the refusals the view has since `before`, then one line that would permit them
+    all: a client shows little of why (pip says 'no matching distribution', urllib
+    'Tunnel connection failed: 403 Forbidden')."""
+    new = (view.denied_count or 0) - before
+    recent = (view.denied or [])[-new:] if new > 0 else []
+    targets = list(dict.fromkeys(f"{denial.host}:{denial.port}" for denial in recent))
+    if not targets:
+        return
+    shown: set[str] = set()
+    for denial in reversed(recent):  # the last reason of each destination, at most SHOWN_REFUSALS
+        where = f"{denial.host}:{denial.port}"
+        if where not in shown and len(shown) < SHOWN_REFUSALS:
+            shown.add(where)
+            out.text(f"sandbox-kernel: egress refused {where}: {denial.reason}\n", name="stderr")
+    # The names come from the sandbox (what it asked to reach): only a host or an address
+    # that is a rule as it stands goes into a line the user may copy (the engine's proxy
+    # already answers a CIDR or wildcard target with 400, unrecorded: this does not rely on it).
+    rules = list(dict.fromkeys(preset_of(target) or target for target in targets if is_one_rule(target)))
+    if not rules:
+        return
+    out.text(f"sandbox-kernel: %egress allow {' '.join(rules)} permits "
+             f"{'it' if len(targets) == 1 else 'them'}\n", name="stderr")
+
+
+def checked(rules: list[str]) -> list[str]:
+    """Validated before any request, with a one-line reason naming the bad rule."""
+    try:
+        normalized = egress_rules.validate(egress_rules.expand_presets(rules))
+    except egress_rules.EgressRuleError as exc:
+        raise MagicError(f"%egress: {exc}") from None
+    # CreateOS accepts a bare word as a host rule, but typed in a magic it is almost always
+    # prose (`%egress allow not a rule`): a single-label name must come with a port.
+    words = [rule for rule in normalized if is_bare_word(rule)]
+    if words:
+        raise MagicError(f"%egress: {' '.join(repr(w) for w in words)} is not a rule: give a full host "
+                         "name (example.com), host:port, an IP address or a CIDR")
+    return normalized
+
+
+def preset_of(target: str) -> str | None:
+    """The preset whose rules allow `target` (host:port as refused), so the hint names the
+    whole index rather than the one host of it that this cell happened to try first."""
+    return next((name for name, rules in egress_rules.presets().items() if target.lower() in rules), None)
+
+
+def is_one_rule(target: str) -> bool:
+    """Whether `target` (host:port) is one destination as a rule: a host or an address."""
+    try:
+        rule = egress_rules.parse(target)
+    except egress_rules.EgressRuleError:
+        return False
+    return rule.kind in ("host", "ip") and str(rule) == target.lower()
+
+
+def is_bare_word(rule: str) -> bool:
+    parsed = egress_rules.parse(rule)
+    return (parsed.kind == "host" and parsed.port is None and "." not in str(parsed.host)
+            and parsed.host != "localhost")
+
+
+def describe_rules(rules: list[str]) -> str:
+    if not rules:
+        return "all public destinations (no rules)"
+    if rules == [BLOCK_ALL]:
+        return "nothing: all outbound connections blocked"
+    return "only " + ", ".join(rules)

@@ -1,0 +1,28 @@
+"""What every family of magics works with: this notebook's session (through its API only),
+the cell's output, and the kernel's output filter."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from sandbox_kernel.kernel.output import CellOutput, ProgressLine
+from sandbox_kernel.kernel.output_safety import OutputFilter
+from sandbox_kernel.sandbox.session import SandboxSession
+
+
+class MagicFamily:
+    """A family of magic commands (lifecycle, egress, files, info). Magics drive the session
+    through its methods and never write its fields."""
+
+    def __init__(self, session: SandboxSession, out: CellOutput, output_filter: OutputFilter) -> None:
+        self.session = session
+        self.out = out
+        self.output_filter = output_filter
+
+    async def transition(self, verb: str, action: Callable[[ProgressLine], Awaitable[object]], outcome: str) -> None:
+        """A pause or resume, on one progress line that ends with how long it took."""
+        started = time.monotonic()
+        line = self.out.progress(f"{verb} sandbox {self.session.sandbox_id}…")
+        await action(line)
+        line.update(f"Sandbox {self.session.sandbox_id} {outcome} ({time.monotonic() - started:.1f} s)")
