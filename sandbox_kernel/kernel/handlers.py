@@ -39,7 +39,7 @@ from sandbox_kernel.guest import runner_protocol as protocol
 from sandbox_kernel.kernel.allocator import reuse_large_buffers
 from sandbox_kernel.api import SandboxAPIError
 from sandbox_kernel.config import ConfigError, Settings
-from sandbox_kernel.kernel.event_lines import stream_content
+from sandbox_kernel.sandbox.event_lines import stream_content
 from sandbox_kernel.kernel.history import open_history
 from sandbox_kernel.kernel.magics import MagicError, SandboxMagics, Segment, split_cell
 from sandbox_kernel.kernel.output import CellOutput, OutputGuard
@@ -776,7 +776,7 @@ class SandboxKernel(Kernel):
 
     def _runner_offers(self, feature: str) -> bool:
         """The sandbox is up, a channel reaches its runner, and the runner says it has `feature`."""
-        return (self._sandbox_ready() and self.sandbox is not None and self.sandbox.channel is not None
+        return (self._sandbox_ready() and self.sandbox is not None and self.sandbox.has_channel
                 and self.sandbox.runner_info.get(feature) is True)
 
     async def do_debug_request(self, msg: dict[str, Any]) -> dict[str, Any]:
