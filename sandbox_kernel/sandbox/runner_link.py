@@ -32,6 +32,20 @@ log = logging.getLogger("sandbox_kernel.sandbox.runner_link")
 Where = Callable[[], tuple[SandboxClient, str]]
 
 
+def channel_to(client: SandboxClient, sandbox_id: str, line_limit: int, on_background: EventHandler,
+               background_seq: int = 0) -> RunnerChannel:
+    """A channel (not yet open) to the runner serving in `sandbox_id`."""
+    return RunnerChannel(SandboxProcesses(client, sandbox_id, SANDBOX_PYTHON),
+                         lambda after: runner_client("channel", RUNNER_DIR, *([str(after)] if after else [])),
+                         line_limit, on_background, background_seq=background_seq)
+
+
+def execs_to(client: SandboxClient, sandbox_id: str, line_limit: int, streaming: ExecStreaming) -> ExecTransport:
+    """The exec transport to the runner serving in `sandbox_id`."""
+    return ExecTransport(client, sandbox_id, SANDBOX_PYTHON,
+                         lambda command, arg: runner_client(command, RUNNER_DIR, arg), line_limit, streaming)
+
+
 class ManagedProcesses(Enum):
     """Whether the provider has managed processes (the channel's ground)."""
 
@@ -68,9 +82,7 @@ class RunnerLink:
     def by_exec(self) -> ExecTransport:
         """The exec transport to the current sandbox (needs no channel, nor a managed process)."""
         client, sandbox_id = self._where()
-        return ExecTransport(client, sandbox_id, SANDBOX_PYTHON,
-                             lambda command, arg: runner_client(command, RUNNER_DIR, arg),
-                             self._line_limit, self._streaming)
+        return execs_to(client, sandbox_id, self._line_limit, self._streaming)
 
     def _transport(self) -> RunnerTransport:
         return self._channel if self._channel is not None else self.by_exec()
@@ -82,10 +94,7 @@ class RunnerLink:
         if not self._opens_channels or self._processes is ManagedProcesses.MISSING:
             return
         client, sandbox_id = self._where()
-        channel = RunnerChannel(
-            SandboxProcesses(client, sandbox_id, SANDBOX_PYTHON),
-            lambda after: runner_client("channel", RUNNER_DIR, *([str(after)] if after else [])),
-            self._line_limit, self._on_background, background_seq=background_seq)
+        channel = channel_to(client, sandbox_id, self._line_limit, self._on_background, background_seq)
         try:
             await channel.open()
             if self._closing:
