@@ -3,8 +3,9 @@
 A kernel process spends about half a second importing ipykernel and its own modules and
 setting up its sockets before SandboxKernel.start() runs; creating the sandbox and
 starting its runner take as long again, waiting on the engine and the sandbox. Begun by
-kernel.py's __main__ before it imports ipykernel, on a thread with its own event loop and
-API client, the create and the runner's start overlap the kernel's own start-up.
+the kernel's __main__ (kernel/__main__.py) before it imports ipykernel, on a thread with
+its own event loop and API client (a SandboxSession that opens no channel and tops no pool
+up), the create and the runner's start overlap the kernel's own start-up. The kernel's
 SandboxSession.start() then takes the sandbox over on the kernel's loop: its own client,
 the channel to the runner and the warm pool's top-up (the steps tied to that loop).
 

@@ -1,8 +1,8 @@
 """The fallback transport to the runner: one exec of its light client per request.
 
 Used on providers without managed processes (channel.py is the transport everywhere
-else; runner_link.py decides which, once, at the first runner start). Each cell is one streaming
-exec of `runner_client.py run`, whose stdout is the cell's NDJSON events. If that stream
+else; runner_link.py decides which, once, at the first runner start). Each cell is one
+streaming exec of `runner_client.py run`, whose stdout is the cell's NDJSON events. If that stream
 drops, `run` is sent again with the last event seen, and the runner resumes the same cell
 from there, so nothing is lost or repeated. Where the service cannot stream exec output
 (some CreateOS versions: 404 or an `error` frame; a gateway answering a held exec with

@@ -105,7 +105,7 @@ class SandboxSession:
         self.sandbox_id: str | None = None
         self.runner_info: dict[str, Any] = {}
         self.boot_seconds: float | None = None
-        self.refill_pool = refill_pool
+        self._refill_pool = refill_pool
         # How requests reach the runner (runner_link.py).
         self.link = RunnerLink(self._require, settings.output_limit + EVENT_LINE_SLACK, self._background_event,
                                opens_channels=open_channel)
@@ -115,13 +115,13 @@ class SandboxSession:
         self.kept: list[str] = []  # handed off with `%sandbox keep`: listed at shutdown
         # The cost meter, and every sandbox this notebook created, forked or drove.
         self.meter = Meter()
-        self.known: list[str] = []
+        self._known: list[str] = []
         # Topping up the warm pool after this kernel claimed from it (pool.py).
-        self.pool_refill: asyncio.Task[None] | None = None
-        self.making_pool_member = False
+        self._pool_refill: asyncio.Task[None] | None = None
+        self._making_pool_member = False
         # Local engine: the OOM kills seen in each sandbox's view (more later = the memory
         # limit killed something since).
-        self.oom_kills: dict[str, int] = {}
+        self._oom_kills: dict[str, int] = {}
         # Output the runner sends between cells (a background thread's print): the kernel
         # shows it on the last cell's parent.
         self.on_background: EventHandler | None = None
@@ -169,7 +169,7 @@ class SandboxSession:
         ownership.created(name, created.id)
         self.sandbox_id = created.id
         self._track(await client.get_sandbox(created.id))
-        await self.start_runner(new_sandbox=True)
+        await self._start_runner(new_sandbox=True)
 
     async def _take_over(self, early: EarlySandbox) -> bool:
         """Drive the sandbox made early, its runner serving (its failure is this start's);
@@ -234,9 +234,9 @@ class SandboxSession:
 
     def _refill_pool_later(self) -> None:
         """Top the warm pool up in the background, if one is configured."""
-        if self.settings.warm_pool and not self.settings.name and self.refill_pool:
+        if self.settings.warm_pool and not self.settings.name and self._refill_pool:
             warm = pool.WarmPool.for_settings(self.settings, self.settings.warm_pool)
-            self.pool_refill = asyncio.get_running_loop().create_task(self._refill_later(warm))
+            self._pool_refill = asyncio.get_running_loop().create_task(self._refill_later(warm))
 
     async def _refill_later(self, warm: pool.WarmPool) -> None:
         # Let this notebook's first cells have the CPU before sandboxes are made for others.
@@ -247,7 +247,7 @@ class SandboxSession:
         """A new sandbox with its runner started, claimed by this kernel until it is pooled."""
         member = SandboxSession(replace(self.settings, auto_pause=pool.MEMBER_AUTO_PAUSE, warm_pool=0,
                                         name=None), client=self._client(), open_channel=False)
-        self.making_pool_member = True
+        self._making_pool_member = True
         try:
             await member._create()
         except BaseException:
@@ -256,16 +256,16 @@ class SandboxSession:
                     await asyncio.shield(member.destroy(member.sandbox_id))
             raise
         finally:
-            self.making_pool_member = False
+            self._making_pool_member = False
         assert member.sandbox_id is not None
         return member.sandbox_id
 
     async def _stop_refill(self) -> None:
         """Before the client closes: drop a pending top-up, or let a member being made finish."""
-        task = self.pool_refill
+        task = self._pool_refill
         if task is None or task.done():
             return
-        if not self.making_pool_member:
+        if not self._making_pool_member:
             task.cancel()
         # Past this wait the kernel goes anyway; its half-made member stays claimed by
         # this (then dead) kernel, so `sandbox-kernel gc` destroys it.
@@ -289,7 +289,7 @@ class SandboxSession:
         ownership.use(view.id)
         try:
             if view.status != SandboxStatus.RUNNING:
-                await self.wake(progress)
+                await self._wake(progress)
             if not fresh_runner:
                 try:
                     info = await self.link.by_exec().request({protocol.OP: protocol.INFO})
@@ -301,7 +301,7 @@ class SandboxSession:
                     self.runner_info = info
                     await self.link.connect()
                     return True
-            await self.start_runner()
+            await self._start_runner()
             return False
         except BaseException:  # a failed attach leaves the notebook on its sandbox
             self.sandbox_id, self.runner_info = previous
@@ -316,7 +316,7 @@ class SandboxSession:
                 f"its variables; `%sandbox attach {self.sandbox_id} --restart-runner` starts this "
                 "version's (variables and imports are lost, files are kept)")
 
-    async def start_runner(self, new_sandbox: bool = False) -> None:
+    async def _start_runner(self, new_sandbox: bool = False) -> None:
         """Start a runner in this sandbox (runner_setup.py; an older one is stopped first,
         none in a new_sandbox) and reach it."""
         client, sandbox_id = self._require()
@@ -356,22 +356,22 @@ class SandboxSession:
 
     def _track(self, view: SandboxView) -> SandboxView:
         """Remember a sandbox this notebook uses, and feed the cost meter its history."""
-        if view.id not in self.known:
-            self.known.append(view.id)
+        if view.id not in self._known:
+            self._known.append(view.id)
         if view.oom_kills is not None:
-            self.oom_kills[view.id] = view.oom_kills
+            self._oom_kills[view.id] = view.oom_kills
         self.meter.observe(view)
         return view
 
     async def costs(self) -> list[Cost]:
         """What every sandbox of this notebook has cost so far (on CreateOS prices)."""
         client = self._client()
-        for sandbox_id in self.known:
+        for sandbox_id in self._known:
             try:
                 self._track(await client.get_sandbox(sandbox_id))
             except NotFoundError:  # CreateOS may forget a destroyed sandbox
                 self.meter.note_gone(sandbox_id)
-        return [self.meter.cost(sandbox_id) for sandbox_id in self.known]
+        return [self.meter.cost(sandbox_id) for sandbox_id in self._known]
 
     async def list_sandboxes(self) -> list[SandboxView]:
         return await self._client().list_sandboxes()
@@ -395,9 +395,9 @@ class SandboxSession:
         view = await self.view()
         if view.status == SandboxStatus.RUNNING:
             raise SessionError(f"sandbox {view.id} is running: there is nothing to resume")
-        return await self.wake(progress)
+        return await self._wake(progress)
 
-    async def wake(self, progress: Progress | None = None) -> SandboxView:
+    async def _wake(self, progress: Progress | None = None) -> SandboxView:
         """Bring this sandbox to running, whatever transition it is in: CreateOS answers a
         resume 409 until the sandbox is paused (§4.2), and on CreateOS an auto-pause of a
         large VM takes seconds, so a sandbox pausing, resuming or being forked is waited
@@ -494,7 +494,7 @@ class SandboxSession:
         fields: more of the execute_request for the runner (allow_stdin, user_expressions).
 
         A sandbox that is not running (CreateOS answers 409 to an exec on it) is woken
-        first: paused, resumed; pausing, resuming or being forked, waited for (wake).
+        first: paused, resumed; pausing, resuming or being forked, waited for (_wake).
         on_resume() is called then, and gives the progress callback for the wait.
         """
         kwargs = dict(silent=silent, store_history=store_history, execution_count=execution_count,
@@ -508,7 +508,7 @@ class SandboxSession:
         if view.status != SandboxStatus.RUNNING:  # (else a resume under way ended since the 409)
             progress = on_resume() if on_resume else None
             started = time.monotonic()
-            await self.wake(progress)
+            await self._wake(progress)
             if progress:
                 progress(f"resumed in {time.monotonic() - started:.1f} s")
         return await self._run_cell(cell_id, code, on_event, **kwargs)
@@ -553,7 +553,7 @@ class SandboxSession:
         gone says so instead (no runner can start there again)."""
         log.warning("the runner died: %s", exc)
         client, sandbox_id = self._require()
-        seen = self.oom_kills.get(sandbox_id, 0)
+        seen = self._oom_kills.get(sandbox_id, 0)
         view = await self.view()
         if view.status.is_gone:
             return _sandbox_gone(view)
@@ -613,7 +613,7 @@ class SandboxSession:
             return await shutdown_policy.apply_policy(self.client, policy,
                                                       self.meter.prices, self.kept)
         finally:
-            for sandbox_id in self.known:
+            for sandbox_id in self._known:
                 ownership.stop_using(sandbox_id)
             await self.client.aclose()
             self.client = None
