@@ -74,7 +74,7 @@ __all__ = ["SandboxClient", "ExecStream", "ProcessStream", "BoundedLines", "Over
            "PUBLIC_ROUTES", "PAGE_LIMIT", "MAX_FRAME_LINE"]
 
 USER_AGENT = f"sandbox-kernel/{_VERSION}"
-#: (method, path) pairs sent without the API key
+#: (method, path) pairs sent without the API key; the local engine answers their paths without one
 PUBLIC_ROUTES = frozenset({("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/v1/shapes"), ("GET", "/v1/rootfs")})
 #: page size asked for (the server clamps to 500)
 PAGE_LIMIT = 500

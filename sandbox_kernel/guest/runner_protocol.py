@@ -12,7 +12,7 @@ channel) every event line carries ``CELL`` (the cell's id, or null between cells
 request that carries ``ID`` is answered by one line with ``REPLY`` set to it. A request
 the runner refuses is answered by ``{"error": ...}`` with its ``ID`` or ``CELL_ID``.
 Every line is json.dumps' output, ASCII only; a ``STREAM`` event's ``text`` is its last
-field (the kernel publishes that field's JSON as written: sandbox_kernel/event_lines.py).
+field (the kernel publishes that field's JSON as written: sandbox_kernel/sandbox/event_lines.py).
 """
 
 # Request ops

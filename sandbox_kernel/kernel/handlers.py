@@ -203,7 +203,7 @@ class SandboxKernel(Kernel):
 
     def runner_offers(self, feature: str) -> bool:
         """The sandbox is up, a channel reaches its runner, and the runner says it has `feature`."""
-        return (self.boot.ready() and self.sandbox is not None and self.sandbox.channel is not None
+        return (self.boot.ready() and self.sandbox is not None and self.sandbox.has_channel
                 and self.sandbox.runner_info.get(feature) is True)
 
     # -- shell messages ---------------------------------------------------------------------

@@ -109,7 +109,9 @@ def auto_pause_second() -> float:
     return second if 0 < second <= 1 else 1.0
 
 
-TRANSITIONAL = (SandboxStatus.PAUSING, SandboxStatus.RESUMING)
+# The statuses of a freeze or thaw under way (the engine's pause and resume); not the
+# API's TRANSITIONAL, which has every status that changes on its own.
+FREEZING_OR_THAWING = (SandboxStatus.PAUSING, SandboxStatus.RESUMING)
 HEARTBEAT_SECONDS = 5.0  # an idle stream (exec, process connect) gets a heartbeat this often
 
 
@@ -640,7 +642,7 @@ class Engine:
         await family.process.wait()
         for sandbox_id in list(family.members):
             sandbox = self.sandboxes.get(sandbox_id)
-            if sandbox and sandbox.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED, *TRANSITIONAL):
+            if sandbox and sandbox.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED, *FREEZING_OR_THAWING):
                 log.warning("sandbox %s exited unexpectedly", sandbox.id)
                 sandbox.status = SandboxStatus.ERROR
 

@@ -28,7 +28,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sandbox_kernel.api import envelope
+from sandbox_kernel.api import PUBLIC_ROUTES, envelope
 from sandbox_kernel.api.models import (
     BandwidthRecharge,
     BandwidthView,
@@ -72,7 +72,8 @@ from sandbox_kernel.local.unsupported import add_unsupported_routes
 
 log = logging.getLogger("sandbox_kernel.server")
 
-PUBLIC_ROUTES = {"/healthz", "/readyz", "/v1/shapes", "/v1/rootfs"}
+# Answered without a key, whatever the method (a HEAD too): the paths of the API's public routes.
+PUBLIC_PATHS = frozenset(path for _method, path in PUBLIC_ROUTES)
 PROCESS_INPUT_ROUTE = re.compile(r"/v1/sandboxes/([^/]+)/processes/([^/]+)/input")  # as FastAPI matches it
 # A buffered exec returns at most this many characters of output (stdout and stderr
 # together; JSON escaping can make the response up to six times that). Past it, output
@@ -121,13 +122,13 @@ class Authenticate:
             return
         request_id = uuid.uuid4().hex
         path = scope["path"]
-        refusal = None if path in PUBLIC_ROUTES else refuse_key(
+        refusal = None if path in PUBLIC_PATHS else refuse_key(
             self.engine, self.token, offered_credential(Request(scope)), path)
         if refusal is not None:
             refusal.headers["X-Request-Id"] = request_id
             await refusal(scope, receive, send)
             return
-        if path not in PUBLIC_ROUTES:
+        if path not in PUBLIC_PATHS:
             self.engine.touch()
         started = False
 

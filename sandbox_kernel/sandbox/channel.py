@@ -1,7 +1,7 @@
 """The kernel's one duplex channel to its runner, over a managed process (CreateOS §15.3).
 
-At start (and after every runner start or sandbox switch) the session starts one managed
-process in the sandbox, `runner_client.py channel DIR`: a relay holding one connection to
+At start (and after every runner start or sandbox switch) the session's link (runner_link.py)
+starts one managed process in the sandbox, `runner_client.py channel DIR`: a relay holding one connection to
 the runner daemon. Every request (run a cell, interrupt, input answer, complete, inspect,
 info) is one stdin line, sent with the process `input` call; every event comes back on
 the process's output stream, which the kernel follows with one `connect` for its
@@ -40,14 +40,12 @@ import contextlib
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sandbox_kernel.guest import runner_protocol as protocol
 from sandbox_kernel.api import (
-    APITransportError,
     BoundedLines,
     ConflictError,
     CreateProcessRequest,
@@ -56,44 +54,34 @@ from sandbox_kernel.api import (
     ProtocolError,
     SandboxAPIError,
     SandboxClient,
-    ServerError,
 )
-from sandbox_kernel.kernel.event_lines import parse_event_line
+from sandbox_kernel.guest import runner_protocol as protocol
 from sandbox_kernel.guest.runner_client import CHANNEL_WINDOW
+from sandbox_kernel.sandbox.event_lines import parse_event_line
+from sandbox_kernel.sandbox.transport import RECONNECT_DELAYS, RECOVERABLE, EventHandler, RunnerTransportError
 
 log = logging.getLogger("sandbox_kernel.sandbox.channel")
 
-EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
 # Acknowledge the relay's output every this many bytes: half its window, the other half
 # covering the acknowledgement's trip. Each one is an API call, the costliest step of a
 # long print per byte on the kernel's side and the engine's (a quarter window made twice
 # as many, for no gain in flow).
 ACK_EVERY = CHANNEL_WINDOW // 2
-RECONNECT_DELAYS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
 REQUEST_TIMEOUT = 60.0  # seconds a one-shot request (complete, inspect, info) may take
 # Relays replaced in a row with no output from any of them: past this, the channel ends
 # (a cell that kills every relay it sees would otherwise keep us starting new ones).
 RELAY_REPLACEMENTS = 3
 # Statuses with which a provider says it has no managed processes.
 NO_PROCESSES = (404, 405, 501)
-# Failures of one connection that a reconnect can repair (the exec transport's too).
-RECOVERABLE = (APITransportError, ProtocolError, ServerError)
 
 
 class ChannelUnavailable(Exception):
-    """The provider has no managed processes: the session uses one exec per cell instead."""
+    """The provider has no managed processes: the session uses one exec per request instead
+    (runner_link.py)."""
 
 
 class _RelayKilled(Exception):
     """The relay exited without last words: its daemon may well be alive."""
-
-
-class ChannelError(Exception):
-    """The channel cannot carry on: lost for good, or its relay ended (`runner_gone`)."""
-
-    def __init__(self, message: str, runner_gone: bool = False) -> None:
-        super().__init__(message)
-        self.runner_gone = runner_gone
 
 
 class ProcessTransport(Protocol):
@@ -172,7 +160,8 @@ class _Reading:
 
 
 class RunnerChannel:
-    """One relay process and the stream of its output; see the module docstring."""
+    """One relay process and the stream of its output; see the module docstring. A
+    RunnerTransport (transport.py)."""
 
     def __init__(self, transport: ProcessTransport, relay_args: Callable[[int], list[str]], line_limit: int,
                  on_background: EventHandler, *, background_seq: int = 0) -> None:
@@ -182,7 +171,7 @@ class RunnerChannel:
         self.on_background = on_background
         self.background_seq = background_seq
         self.process_id = ""
-        self.failure: ChannelError | None = None  # why the channel ended, once it has
+        self.failure: RunnerTransportError | None = None  # why the channel ended, once it has
         self._reading = _Reading()
         self._lines = BoundedLines(line_limit)
         self._cells: dict[str, _CellFollow] = {}  # in flight, in the order they were sent
@@ -215,7 +204,7 @@ class RunnerChannel:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
-        self._end(ChannelError("the channel was closed"))
+        self._end(RunnerTransportError("the channel was closed"))
         if kill and self.process_id:
             try:
                 await self.transport.kill(self.process_id)
@@ -240,13 +229,15 @@ class RunnerChannel:
             self._cells.pop(cell_id, None)
 
     async def request(self, message: dict[str, Any], timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
-        """A one-shot request with a reply (complete, inspect, info)."""
+        """A one-shot request with a reply (complete, inspect, info); its reply."""
         self._check()
         request_id = f"r{next(self._ids)}"
         reply = self._replies[request_id] = asyncio.get_running_loop().create_future()
         try:
             await self.send({**message, protocol.ID: request_id})
             return await asyncio.wait_for(reply, timeout)
+        except asyncio.TimeoutError:
+            raise RunnerTransportError(f"no answer within {timeout:.0f} s") from None
         finally:
             self._replies.pop(request_id, None)
 
@@ -274,7 +265,7 @@ class RunnerChannel:
                 except _RelayKilled as exc:
                     replacements = 0 if self._reading.seq > 0 else replacements + 1
                     if replacements > RELAY_REPLACEMENTS:
-                        self._end(ChannelError("the relay to the runner in the sandbox keeps being killed"))
+                        self._end(RunnerTransportError("the relay to the runner in the sandbox keeps being killed"))
                         return
                     log.warning("%s: starting a new one", exc)
                     await self._replace_relay()
@@ -292,16 +283,16 @@ class RunnerChannel:
                 if self._reading.seq > progress:
                     failures = 0
                 if failures == len(RECONNECT_DELAYS):
-                    self._end(ChannelError("lost the connection to the sandbox; the cell's output so far "
+                    self._end(RunnerTransportError("lost the connection to the sandbox; the cell's output so far "
                                            "is shown above"))
                     return
                 await asyncio.sleep(RECONNECT_DELAYS[failures])
                 failures += 1
         except SandboxAPIError as exc:  # the process or the sandbox is gone
-            self._end(ChannelError(f"the channel to the runner failed: {exc.user_message()}", runner_gone=True))
+            self._end(RunnerTransportError(f"the channel to the runner failed: {exc.user_message()}", runner_gone=True))
         except Exception as exc:  # a bug of ours: end the cell with it rather than hang
             log.exception("the channel reader failed")
-            self._end(ChannelError(f"internal error in the channel ({type(exc).__name__}: {exc})"))
+            self._end(RunnerTransportError(f"internal error in the channel ({type(exc).__name__}: {exc})"))
 
     async def _replace_relay(self) -> None:
         """A new relay in place of one that was killed; each cell in flight is asked for
@@ -313,7 +304,7 @@ class RunnerChannel:
         self._last_words = ""
         for reply in self._replies.values():
             if not reply.done():
-                reply.set_exception(ChannelError("the relay to the runner was replaced; ask again"))
+                reply.set_exception(RunnerTransportError("the relay to the runner was replaced; ask again"))
         for follow in list(self._cells.values()):
             await self.send({**follow.request, protocol.AFTER: follow.last_seq})
 
@@ -336,7 +327,7 @@ class RunnerChannel:
             if not self._last_words:
                 raise _RelayKilled(f"the relay ended without a word (exit code {frame.exit_code}, "
                                    f"signal {frame.signal})")
-            self._end(ChannelError(self._last_words, runner_gone=True))
+            self._end(RunnerTransportError(self._last_words, runner_gone=True))
             return True
         if kind != "data" or frame.seq is None or frame.seq <= self._reading.seq:
             return False  # a heartbeat, or replayed after a reconnect: taken already
@@ -414,7 +405,7 @@ class RunnerChannel:
         refused = self._cells.get(cell_id) if isinstance(cell_id, str) else None
         if refused is not None:
             if not refused.done.done():
-                refused.done.set_exception(ChannelError(f"the runner refused the cell: {message}"))
+                refused.done.set_exception(RunnerTransportError(f"the runner refused the cell: {message}"))
         elif protocol.REPLY not in event and protocol.ERROR in event:
             self._last_words = message
 
@@ -426,7 +417,7 @@ class RunnerChannel:
         else:
             await self.on_background(event)
 
-    def _end(self, failure: ChannelError) -> None:
+    def _end(self, failure: RunnerTransportError) -> None:
         """The channel is over: everything waiting on it hears why."""
         if self.failure is None:
             self.failure = failure

@@ -3,8 +3,9 @@
 A kernel process spends about half a second importing ipykernel and its own modules and
 setting up its sockets before SandboxKernel.start() runs; creating the sandbox and
 starting its runner take as long again, waiting on the engine and the sandbox. Begun by
-kernel.py's __main__ before it imports ipykernel, on a thread with its own event loop and
-API client, the create and the runner's start overlap the kernel's own start-up.
+the kernel's __main__ (kernel/__main__.py) before it imports ipykernel, on a thread with
+its own event loop and API client (a SandboxSession that opens no channel and tops no pool
+up), the create and the runner's start overlap the kernel's own start-up. The kernel's
 SandboxSession.start() then takes the sandbox over on the kernel's loop: its own client,
 the channel to the runner and the warm pool's top-up (the steps tied to that loop).
 
@@ -20,14 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
 
-from sandbox_kernel.sandbox import ownership
+from sandbox_kernel.api import SandboxAPIError
 from sandbox_kernel.config import ConfigError, Settings, open_client
 from sandbox_kernel.paths import handoff_path
+from sandbox_kernel.sandbox import ownership
+from sandbox_kernel.sandbox.session import Prepared, SandboxSession
+
+log = logging.getLogger("sandbox_kernel.sandbox.early_start")
 
 KERNEL_ARGUMENT = "--SandboxKernel."
 # The kernel's imports wait (at most this long) until the create is on its way: sharing the
@@ -35,16 +39,9 @@ KERNEL_ARGUMENT = "--SandboxKernel."
 SEND_WAIT = 2.0
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """A sandbox made early, its runner serving (no channel yet)."""
-
-    sandbox_id: str
-    runner_info: dict[str, Any]
-
-
 class EarlyStart:
-    """One sandbox being made on a thread of its own; `prepared()` awaits it on any loop."""
+    """One sandbox being made on a thread of its own; `prepared()` awaits it on any loop.
+    An EarlySandbox for SandboxSession.start (session.py)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -64,6 +61,17 @@ class EarlyStart:
         """The sandbox made; raises what the start raised (a SessionError, as
         SandboxSession.start would)."""
         return await asyncio.wrap_future(self._result)
+
+    async def prepared_for(self, settings: Settings) -> Prepared | None:
+        """The sandbox made, if it was made for `settings` (the kernel's own); else None,
+        and it is destroyed (settings from a Jupyter config file's kernel arguments)."""
+        if settings == self.settings:
+            return await self.prepared()
+        try:
+            await self.discard()
+        except (SandboxAPIError, OSError, RuntimeError) as exc:  # still ours: the shutdown policy ends it
+            log.warning("could not destroy the sandbox made before the kernel's settings were known: %s", exc)
+        return None
 
     async def discard(self) -> None:
         """Destroy the sandbox made, for settings the kernel turned out not to have. One
@@ -88,20 +96,16 @@ class EarlyStart:
             self._sending.set()
 
     async def _prepare(self) -> Prepared:
-        from sandbox_kernel.sandbox.session import SandboxSession  # not at the top: session.py imports this module
-
-        session = SandboxSession(self.settings)
+        client = await open_client(self.settings)
         # The channel and the warm pool's top-up live on the kernel's loop.
-        session.open_channels = session.refill_pool = False
+        session = SandboxSession(self.settings, client=client, open_channel=False, refill_pool=False)
         try:
-            session.client = await open_client(self.settings)
             # What is left before the create is sent needs little of the interpreter:
             # the kernel's imports may go on.
             self._sending.set()
             await session.start()
         finally:
-            if session.client is not None:
-                await session.client.aclose()
+            await client.aclose()
         assert session.sandbox_id is not None
         return Prepared(session.sandbox_id, session.runner_info)
 

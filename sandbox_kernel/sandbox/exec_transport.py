@@ -1,8 +1,8 @@
 """The fallback transport to the runner: one exec of its light client per request.
 
 Used on providers without managed processes (channel.py is the transport everywhere
-else; which one is decided once, at the first runner start). Each cell is one streaming
-exec of `runner_client.py run`, whose stdout is the cell's NDJSON events. If that stream
+else; runner_link.py decides which, once, at the first runner start). Each cell is one
+streaming exec of `runner_client.py run`, whose stdout is the cell's NDJSON events. If that stream
 drops, `run` is sent again with the last event seen, and the runner resumes the same cell
 from there, so nothing is lost or repeated. Where the service cannot stream exec output
 (some CreateOS versions: 404 or an `error` frame; a gateway answering a held exec with
@@ -20,21 +20,20 @@ import asyncio
 import base64
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from sandbox_kernel.guest import runner_protocol as protocol
 from sandbox_kernel.api import BoundedLines, NotFoundError, OversizedLine, SandboxClient, ServerError
-from sandbox_kernel.sandbox.channel import RECOVERABLE
-from sandbox_kernel.kernel.event_lines import parse_event_line
+from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.sandbox.event_lines import parse_event_line
+from sandbox_kernel.sandbox.transport import RECONNECT_DELAYS, RECOVERABLE, EventHandler, RunnerTransportError
 
 log = logging.getLogger("sandbox_kernel.sandbox.exec_transport")
 
-EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
 # The runner client's arguments for a command and its base64 JSON argument.
 ClientArgs = Callable[[str, str], list[str]]
 
-RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
 # Without streaming exec, each buffered exec returns a cell's new events after at most this.
 POLL_WAIT = 1.0
 # A gateway in front of CreateOS that answers a held streaming exec with one of these will
@@ -46,14 +45,6 @@ CLIENT_FAILURES_BEFORE_GIVING_UP = 3
 STDERR_TAIL = 4096  # of the runner client's stderr, kept for its last words
 
 
-class RunnerGone(Exception):
-    """The runner daemon died (mid-cell or before it): its client answered {"error": ...}."""
-
-
-class ExecFailed(Exception):
-    """The cell could not be followed to its end; the message is for the notebook user."""
-
-
 class StreamingUnavailable(Exception):
     """The sandbox service cannot stream exec output (CreateOS: 404, or an `error` frame)."""
 
@@ -63,42 +54,52 @@ def encode_arg(message: dict[str, Any]) -> str:
     return base64.b64encode(json.dumps(message).encode()).decode()
 
 
-def runner_failed(output: str) -> ExecFailed:
-    return ExecFailed("the Python runner in the sandbox failed: "
-                      + (output.strip().splitlines() or ["no output"])[-1])
+def runner_failed(output: str) -> RunnerTransportError:
+    return RunnerTransportError("the Python runner in the sandbox failed: "
+                                + (output.strip().splitlines() or ["no output"])[-1])
+
+
+@dataclass
+class ExecStreaming:
+    """Whether the sandbox service streams exec output: learnt once per session and kept
+    across its sandboxes. Streaming exec is the fast path; some CreateOS versions lack it,
+    then cells are followed by polling the runner with short buffered execs."""
+
+    available: bool = True
 
 
 class ExecTransport:
-    """Runs cells and requests by execs of the runner client; see the module docstring.
+    """Runs cells and requests in one sandbox by execs of the runner client; see the module
+    docstring. A RunnerTransport (transport.py)."""
 
-    One per session: whether the service can stream is learnt once and kept.
-    """
+    # Each request is an exec of its own: nothing to lose for good, nothing to end.
+    failure: RunnerTransportError | None = None
 
-    def __init__(self, python: str, client_args: ClientArgs, line_limit: int) -> None:
+    def __init__(self, client: SandboxClient, sandbox_id: str, python: str, client_args: ClientArgs,
+                 line_limit: int, streaming: ExecStreaming) -> None:
+        self.client = client
+        self.sandbox_id = sandbox_id
         self.python = python
         self.client_args = client_args
         self.line_limit = line_limit
-        # Streaming exec is the fast path; some CreateOS versions lack it, then cells are
-        # followed by polling the runner with short buffered execs.
-        self.streaming = True
+        self.streaming = streaming
 
-    async def run_cell(self, client: SandboxClient, sandbox_id: str, request: dict[str, Any],
-                       on_event: EventHandler) -> dict[str, Any]:
+    async def run_cell(self, cell_id: str, request: dict[str, Any], on_event: EventHandler) -> dict[str, Any]:
         """Run one cell, delivering its events in order; return its done event.
 
-        Raises RunnerGone if the runner died, ExecFailed if the cell could not be followed.
+        RunnerTransportError: the runner died (runner_gone), or the cell could not be followed.
         """
-        stream = _EventStream(self, client, sandbox_id, on_event)
+        stream = _EventStream(self, on_event)
         done = await self._follow(stream, request)
         failures = 0
         while done is None:
             if stream.broken:  # a dropped or failed exec: try again, a bounded number of times
                 if failures == len(RECONNECT_DELAYS):
-                    raise ExecFailed("lost the connection to the sandbox while a cell was running; "
+                    raise RunnerTransportError("lost the connection to the sandbox while a cell was running; "
                                      "its output so far is shown above")
-                if self.streaming and failures + 1 >= STREAM_DROPS_BEFORE_POLLING:
+                if self.streaming.available and failures + 1 >= STREAM_DROPS_BEFORE_POLLING:
                     log.warning("exec streams keep dropping with no new output: following cells by polling")
-                    self.streaming = False
+                    self.streaming.available = False
                 await asyncio.sleep(RECONNECT_DELAYS[failures])
                 failures += 1
             progress = stream.last_seq
@@ -112,31 +113,42 @@ class ExecTransport:
 
     async def _follow(self, stream: _EventStream, request: dict[str, Any]) -> dict[str, Any] | None:
         """One exec of `runner_client.py run`: streamed if the service can, else one poll."""
-        if self.streaming:
+        if self.streaming.available:
             try:
                 return await stream.follow(self.client_args(protocol.RUN, encode_arg({**request, "wait": None})))
             except StreamingUnavailable as exc:
                 log.warning("streaming exec unavailable (%s): following cells by polling", exc)
-                self.streaming = False
+                self.streaming.available = False
         return await stream.poll(self.client_args(protocol.RUN, encode_arg({**request, "wait": POLL_WAIT})))
 
-    async def request(self, client: SandboxClient, sandbox_id: str, message: dict[str, Any]) -> dict[str, Any]:
-        """A runner request by one exec of its light client; its answer (ExecFailed: none)."""
-        response = await client.exec(sandbox_id, self.python, self.client_args("request", encode_arg(message)))
+    async def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A runner request by one exec of its light client; its answer (the client's
+        {"error": ...} if the daemon is gone), RunnerTransportError if there is none."""
+        response = await self.client.exec(self.sandbox_id, self.python,
+                                          self.client_args("request", encode_arg(message)))
         lines = response.result.stdout.strip().splitlines()
-        if not lines:
-            raise ExecFailed("the Python runner in the sandbox is not answering")
-        return json.loads(lines[-1])
+        try:
+            answer = json.loads(lines[-1]) if lines else None
+        except ValueError:  # the sandbox's code can replace the client
+            answer = None
+        if not isinstance(answer, dict):
+            raise RunnerTransportError("its client gave no answer")
+        return answer
+
+    async def send(self, message: dict[str, Any]) -> None:
+        await self.request(message)
+
+    async def close(self, kill: bool = True) -> bool:
+        return True  # nothing of ours runs in the sandbox between requests
 
 
 class _EventStream:
     """Reads one cell's events over successive execs, skipping any already delivered (by seq)."""
 
-    def __init__(self, transport: ExecTransport, client: SandboxClient, sandbox_id: str,
-                 on_event: EventHandler) -> None:
+    def __init__(self, transport: ExecTransport, on_event: EventHandler) -> None:
         self.transport = transport
-        self.client = client
-        self.sandbox_id = sandbox_id
+        self.client = transport.client
+        self.sandbox_id = transport.sandbox_id
         self.on_event = on_event
         self.line_limit = transport.line_limit
         self.last_seq = 0
@@ -191,7 +203,7 @@ class _EventStream:
         result = response.result
         if result.exit_code != 0:
             for line in result.stdout.split("\n"):
-                await self._deliver(line)  # raises RunnerGone at the client's error line
+                await self._deliver(line)  # raises at the client's error line (the runner is gone)
             self._client_failed(result.error or result.stderr)
             return None
         self.broken = False
@@ -224,8 +236,8 @@ class _EventStream:
         except ValueError:  # cut off: the runner died while sending it (its client says so next)
             log.warning("skipped a partial event line from the runner")
             return None
-        if protocol.SEQ not in event:  # the runner's client: {"error": ...}
-            raise RunnerGone(str(event.get("error") or event))
+        if protocol.SEQ not in event:  # the runner's client: {"error": ...}: the daemon died
+            raise RunnerTransportError(str(event.get("error") or event), runner_gone=True)
         if event[protocol.SEQ] <= self.last_seq:
             return None  # replayed by a run with `after`: already delivered
         self.last_seq = event[protocol.SEQ]

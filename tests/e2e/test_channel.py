@@ -13,6 +13,7 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from kernel_helpers import execute, running_kernel
+from sandbox_kernel.sandbox import runner_setup
 from sandbox_kernel.sandbox import session as session_module
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
 from sandbox_kernel.config import Settings
@@ -126,7 +127,7 @@ async def test_a_runner_that_dies_at_start_is_said_with_its_last_words(
     exits at once is reported by that exec, with the end of its log."""
     broken = tmp_path / "runner.py"
     broken.write_text("import sys\nsys.exit('this runner stops at once')\n")
-    monkeypatch.setitem(session_module.RUNNER_FILES, f"{session_module.RUNNER_DIR}/runner.py", broken)
+    monkeypatch.setitem(runner_setup.RUNNER_FILES, f"{runner_setup.RUNNER_DIR}/runner.py", broken)
     session = session_module.SandboxSession(Settings.from_env())
     try:
         with pytest.raises(session_module.SessionError, match="did not start: this runner stops at once"):

@@ -15,7 +15,8 @@ import pytest
 
 from sandbox_kernel.sandbox import channel as channel_module
 from sandbox_kernel.api import APITransportError, ConflictError, ProcessFrame
-from sandbox_kernel.sandbox.channel import ACK_EVERY, ChannelError, RunnerChannel
+from sandbox_kernel.sandbox.channel import ACK_EVERY, RunnerChannel
+from sandbox_kernel.sandbox.transport import RunnerTransportError
 
 LINE_LIMIT = 1 << 20
 Events = Callable[[dict[str, Any]], list[dict[str, Any]]]
@@ -257,7 +258,7 @@ async def test_the_relay_ending_fails_the_cell_with_its_last_words() -> None:
     cell = asyncio.ensure_future(run(channel, recorder))
     await asyncio.sleep(0)
     await process.exit(b'\n{"error": "the runner daemon closed the channel"}\n', exit_code=1)
-    with pytest.raises(ChannelError) as failure:
+    with pytest.raises(RunnerTransportError) as failure:
         await cell
     assert failure.value.runner_gone and str(failure.value) == "the runner daemon closed the channel"
     assert not channel.alive
@@ -294,7 +295,7 @@ async def test_a_relay_killed_again_and_again_ends_the_channel_but_not_the_runne
     await asyncio.sleep(0)
     process.killed_at_start = channel_module.RELAY_REPLACEMENTS
     await process.exit(b"", signal="SIGKILL")
-    with pytest.raises(ChannelError) as failure:
+    with pytest.raises(RunnerTransportError) as failure:
         await cell
     assert not failure.value.runner_gone and "keeps being killed" in str(failure.value)
     assert len(process.relays) == 1 + channel_module.RELAY_REPLACEMENTS
@@ -329,7 +330,7 @@ async def test_a_stream_that_never_comes_back_ends_the_cell_with_one_error() -> 
     process, recorder = ScriptedProcess(lambda request: []), Recorder()
     process.connect_fails = 100
     channel = await open_channel(process, recorder)
-    with pytest.raises(ChannelError) as failure:
+    with pytest.raises(RunnerTransportError) as failure:
         await run(channel, recorder)
     assert "lost the connection to the sandbox" in str(failure.value) and not failure.value.runner_gone
 
@@ -342,7 +343,7 @@ async def test_a_destroyed_sandbox_ends_the_cell_as_a_runner_death() -> None:
     cell = asyncio.ensure_future(run(channel, recorder))
     await _until(lambda: bool(process.sent))
     await process.destroy_sandbox()
-    with pytest.raises(ChannelError) as failure:
+    with pytest.raises(RunnerTransportError) as failure:
         await asyncio.wait_for(cell, 10)
     assert failure.value.runner_gone and "destroyed" in str(failure.value)
 

@@ -124,8 +124,7 @@ async def fill_pool(client: SandboxClient, state: Path) -> list[str]:
         await client.delete_sandbox(view.id)
     for path in [*(state / "owners").glob("*.json"), *(state / "pool").glob("*/members/*.json")]:
         path.unlink()
-    maker = SandboxSession(SETTINGS)
-    maker.client, maker.refill_pool = client, False
+    maker = SandboxSession(SETTINGS, client=client, refill_pool=False)
     warm = pool.WarmPool.for_settings(SETTINGS, SETTINGS.warm_pool)
     assert await warm.refill(maker._make_pool_member) == SETTINGS.warm_pool
     return warm.members()
@@ -133,16 +132,14 @@ async def fill_pool(client: SandboxClient, state: Path) -> list[str]:
 
 async def claim(engine: EngineEndpoint, plan: Plan) -> SandboxSession:
     """A kernel's start on the pool, through the faulty transport."""
-    session = SandboxSession(SETTINGS)
-    session.client, session.refill_pool = faulty_client(engine, plan), False
+    session = SandboxSession(SETTINGS, client=faulty_client(engine, plan), refill_pool=False)
     with contextlib.suppress(SessionError):
         await session.start()
     return session
 
 
 async def close(session: SandboxSession) -> None:
-    if session.channel is not None:
-        await session.channel.close(kill=False)
+    await session.link.close(kill=False)
     assert session.client is not None
     await session.client.aclose()
 

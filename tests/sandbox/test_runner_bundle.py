@@ -28,7 +28,7 @@ from sandbox_kernel.guest import runner_bundle
 from sandbox_kernel.api import SandboxClient
 from sandbox_kernel.config import ENV_VARS
 from sandbox_kernel.local.service import EngineEndpoint
-from sandbox_kernel.sandbox.session import RUNNER_DIR
+from sandbox_kernel.sandbox.runner_setup import RUNNER_DIR
 
 BUNDLE_DIR = Path(runner_bundle.__file__).parent
 MARK = "# the other version\n"  # what the other version's runner_protocol.py ends with

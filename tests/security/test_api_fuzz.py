@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 from engine_helpers import running_engine
-from sandbox_kernel.local.server import PUBLIC_ROUTES
+from sandbox_kernel.local.server import PUBLIC_PATHS
 from sandbox_kernel.local.service import EngineEndpoint
 
 # Generation is random: a modest number per operation keeps the module well under a minute.
@@ -71,7 +71,7 @@ def test_every_private_route_wants_the_token(fuzzed_engine: EngineEndpoint) -> N
     spec = httpx.get(f"{fuzzed_engine.url}/openapi.json", headers={"X-Api-Key": fuzzed_engine.token}).json()
     checked = 0
     for path, operations in spec["paths"].items():
-        if path in PUBLIC_ROUTES:
+        if path in PUBLIC_PATHS:
             continue
         concrete = re.sub(r"\{[^}]+\}", "sb-does-not-matter", path)
         for method in operations:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kernel_helpers import execute, running_kernel
-from sandbox_kernel.sandbox.session import RUNNER_CLIENT_PATH
+from sandbox_kernel.sandbox.runner_setup import RUNNER_CLIENT_PATH
 
 FORGED = json.dumps(["python_version"])
 FORGED_CLIENT = f"print({FORGED!r})\n"

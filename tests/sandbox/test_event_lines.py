@@ -1,4 +1,4 @@
-"""The kernel's reading of runner event lines (sandbox_kernel/event_lines.py): a stream
+"""The kernel's reading of runner event lines (sandbox_kernel/sandbox/event_lines.py): a stream
 event's text is published as the runner encoded it, and no line from the sandbox, however
 forged, can make the kernel publish anything but valid JSON of what json.loads reads."""
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel.kernel.event_lines import parse_event_line, stream_content
+from sandbox_kernel.sandbox.event_lines import parse_event_line, stream_content
 
 RUNNER = Path(__file__).resolve().parents[2] / "sandbox_kernel" / "guest" / "runner.py"
 TRICKY_TEXT = 'plain, "quoted", back\\slash, tab\t, bell\x07, é, 漢字, 🙂, lone \ud800, "text": "x"}\n'

@@ -1,0 +1,157 @@
+"""Which transport reaches the runner, and getting it back when its connection drops.
+
+The session's runner is reached by one RunnerTransport (transport.py): the channel over a
+managed process (channel.py) where the provider has managed processes, else one exec per
+request (exec_transport.py). Whether it has them is learnt once, at the first runner start,
+and kept. A channel whose connection was lost for good is opened again before the next
+request (the runner lives on, with its state); one whose runner died says so
+(RunnerTransportError with runner_gone), for the session to report.
+
+A relay left in a paused sandbox cannot be ended there (a paused sandbox refuses the kill:
+a fork switched to, another sandbox attached): it is ended once this kernel resumes that
+sandbox, so that switching back and forth does not pile relays up to the pids limit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+from sandbox_kernel.api import SandboxClient
+from sandbox_kernel.sandbox.channel import ChannelUnavailable, RunnerChannel, SandboxProcesses
+from sandbox_kernel.sandbox.errors import SessionError
+from sandbox_kernel.sandbox.exec_transport import ExecStreaming, ExecTransport
+from sandbox_kernel.sandbox.runner_setup import RUNNER_DIR, SANDBOX_PYTHON, runner_client
+from sandbox_kernel.sandbox.transport import EventHandler, RunnerTransport
+
+log = logging.getLogger("sandbox_kernel.sandbox.runner_link")
+
+# Where requests go: the session's client and its current sandbox (SessionError: none yet).
+Where = Callable[[], tuple[SandboxClient, str]]
+
+
+def channel_to(client: SandboxClient, sandbox_id: str, line_limit: int, on_background: EventHandler,
+               background_seq: int = 0) -> RunnerChannel:
+    """A channel (not yet open) to the runner serving in `sandbox_id`."""
+    return RunnerChannel(SandboxProcesses(client, sandbox_id, SANDBOX_PYTHON),
+                         lambda after: runner_client("channel", RUNNER_DIR, *([str(after)] if after else [])),
+                         line_limit, on_background, background_seq=background_seq)
+
+
+def execs_to(client: SandboxClient, sandbox_id: str, line_limit: int, streaming: ExecStreaming) -> ExecTransport:
+    """The exec transport to the runner serving in `sandbox_id`."""
+    return ExecTransport(client, sandbox_id, SANDBOX_PYTHON,
+                         lambda command, arg: runner_client(command, RUNNER_DIR, arg), line_limit, streaming)
+
+
+class ManagedProcesses(Enum):
+    """Whether the provider has managed processes (the channel's ground)."""
+
+    UNKNOWN = "unknown"  # no runner started yet
+    AVAILABLE = "available"
+    MISSING = "missing"  # one exec per request, for good
+
+
+class RunnerLink:
+    """The session's way to its runner; see the module docstring."""
+
+    def __init__(self, where: Where, line_limit: int, on_background: EventHandler, *,
+                 opens_channels: bool = True) -> None:
+        self._where = where
+        self._line_limit = line_limit  # of one event line from the sandbox
+        self._on_background = on_background
+        # False for a session that only prepares a sandbox for another to drive: that one
+        # opens the channel, on its own event loop.
+        self._opens_channels = opens_channels
+        self._processes = ManagedProcesses.UNKNOWN
+        self._streaming = ExecStreaming()
+        self._channel: RunnerChannel | None = None
+        self._channel_sandbox = ""  # the sandbox the channel's relay runs in
+        self._paused_relays: dict[str, list[RunnerChannel]] = {}
+        # Set once shutdown or a restart hand-off begins: a cell still running then must not
+        # open a channel the closing session would leave reading on a closed client.
+        self._closing = False
+
+    @property
+    def has_channel(self) -> bool:
+        """Does a channel carry the runner's events (the exec fallback carries no debugger's)?"""
+        return self._channel is not None
+
+    def by_exec(self) -> ExecTransport:
+        """The exec transport to the current sandbox (needs no channel, nor a managed process)."""
+        client, sandbox_id = self._where()
+        return execs_to(client, sandbox_id, self._line_limit, self._streaming)
+
+    def _transport(self) -> RunnerTransport:
+        return self._channel if self._channel is not None else self.by_exec()
+
+    async def connect(self, background_seq: int = 0) -> None:
+        """Reach the runner now serving in the current sandbox: open a channel to it,
+        replacing any other (a background_seq: the same runner, whose between-cell output we
+        saw up to it), unless the provider has no managed processes."""
+        if not self._opens_channels or self._processes is ManagedProcesses.MISSING:
+            return
+        client, sandbox_id = self._where()
+        channel = channel_to(client, sandbox_id, self._line_limit, self._on_background, background_seq)
+        try:
+            await channel.open()
+            if self._closing:
+                await channel.close()
+                raise SessionError("the kernel is shutting down")
+        except ChannelUnavailable as exc:
+            if self._processes is ManagedProcesses.AVAILABLE:
+                raise RuntimeError(f"the runner's channel could not start: {exc}") from None
+            log.warning("no managed processes (%s): one exec per cell", exc)
+            self._processes = ManagedProcesses.MISSING
+            return
+        self._processes = ManagedProcesses.AVAILABLE
+        old, old_sandbox = self._channel, self._channel_sandbox
+        self._channel, self._channel_sandbox = channel, sandbox_id
+        if old is not None and not await old.close():
+            self._paused_relays.setdefault(old_sandbox, []).append(old)
+
+    async def ensure_up(self) -> None:
+        """Before a request: a channel that lost its connection is opened again; one whose
+        runner died raises why (RunnerTransportError, runner_gone)."""
+        channel = self._channel
+        if channel is None or channel.alive or self._closing:
+            return
+        if channel.failure is not None and channel.failure.runner_gone:
+            raise channel.failure
+        await self.connect(channel.background_seq)  # only the connection was lost
+
+    async def run_cell(self, cell_id: str, request: dict[str, Any], on_event: EventHandler) -> dict[str, Any]:
+        return await self._transport().run_cell(cell_id, request, on_event)
+
+    async def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        return await self._transport().request(message)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """A request without an answer: by exec while the channel is down (it needs no stream)."""
+        transport = self._transport()
+        await (transport if transport.failure is None else self.by_exec()).send(message)
+
+    async def sandbox_resumed(self, sandbox_id: str) -> None:
+        """`sandbox_id` runs again: the relays of ours left in it while it was paused end now."""
+        for relay in self._paused_relays.pop(sandbox_id, []):
+            await relay.close()
+
+    def egress_refusals(self, sandbox_id: str) -> int | None:
+        """The engine's count of egress refusals in `sandbox_id`, as the channel's stream last
+        said (None: no channel there). Only a cue to ask the engine (channel.py)."""
+        if self._channel is None or self._channel_sandbox != sandbox_id:
+            return None
+        return self._channel.egress_refusals
+
+    def begin_closing(self) -> None:
+        """No channel opens from now on (the session is shutting down or handing over)."""
+        self._closing = True
+
+    async def close(self, kill: bool) -> None:
+        """Stop following the runner, and end its relay if `kill` (else it ends with the
+        runner or the sandbox)."""
+        if self._channel is not None:
+            await self._channel.close(kill=kill)
+            self._channel = None

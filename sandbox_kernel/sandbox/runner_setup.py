@@ -1,0 +1,109 @@
+"""Starting the runner in a sandbox: upload its bundle, start its daemon, wait until it serves.
+
+The runner (guest/runner.py) is uploaded at every start and run as a daemon holding the
+user's globals, under a shell that records how it ended (how_runner_ended reads that).
+Everything goes through SandboxClient (execs and file uploads), so the same code serves
+CreateOS and the local engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from sandbox_kernel.api import ExecResponse, ExecResult, SandboxAPIError, SandboxClient
+from sandbox_kernel.guest import runner_bundle, runner_protocol as protocol
+from sandbox_kernel.sandbox.exec_transport import encode_arg
+
+log = logging.getLogger("sandbox_kernel.sandbox.runner_setup")
+
+RUNNER_DIR = "/tmp/sandbox-kernel"
+RUNNER_PATH = f"{RUNNER_DIR}/runner.py"
+RUNNER_CLIENT_PATH = f"{RUNNER_DIR}/runner_client.py"
+# Uploaded at every runner start: the runner's bundle (the daemon, its modules, its light
+# client), whose hash the runner reports (runner_bundle.py).
+RUNNER_FILES = {f"{RUNNER_DIR}/{name}": Path(runner_bundle.__file__).with_name(name) for name in runner_bundle.FILES}
+SANDBOX_PYTHON = "python3"
+RUNNER_READY_TIMEOUT = 30.0
+READY_PROBE = 2.0  # seconds one readiness exec may wait in the sandbox
+PROBE_INTERVAL = 0.01  # seconds between its looks for the runner's ready file
+NOT_READY_YET = 3  # its exit status when the runner is still starting
+
+
+def runner_client(*args: str) -> list[str]:
+    """Arguments of a short-lived runner client: runner_client.py, which starts in a bare
+    interpreter's time (no site-packages, only built-in modules), once per cell."""
+    return ["-I", "-S", RUNNER_CLIENT_PATH, *args]
+
+
+async def start_runner(client: SandboxClient, sandbox_id: str, new_sandbox: bool = False) -> dict[str, Any]:
+    """Upload the runner's files and start its daemon; return what it says of itself (its
+    info: Python version, bundle hash, features). An older daemon is stopped first (none
+    in a new_sandbox: we just made it). RuntimeError if the runner did not start."""
+    _check(await client.exec(sandbox_id, "mkdir", ["-p", RUNNER_DIR]))
+    await asyncio.gather(*(client.upload_file(sandbox_id, path, source.read_bytes())
+                           for path, source in RUNNER_FILES.items()))
+    # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
+    # the shutdown of a daemon that is not there.
+    stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({protocol.OP: protocol.SHUTDOWN}))])
+    # Under a shell that records how the daemon ended (its exit status; 128+N: signal N),
+    # in a file named by that shell's pid, so that a daemon stopped earlier cannot answer for it.
+    start = ("" if new_sandbox else f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; ") + (
+        f"nohup setsid sh -c '{SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR}; "
+        f"echo $? >{RUNNER_DIR}/runner.exit.$$' "
+        f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
+    # Readiness by short execs, none held longer than READY_PROBE (a gateway may cut
+    # long ones); a runner that died (no python3, a crash) is reported at once. The
+    # first one also starts the runner: one round trip less (30 ms each in the cloud).
+    # Each look costs one process (sleep), which takes CPU from the starting runner.
+    probe = (f"pid=$(cat {RUNNER_DIR}/runner.pid); i=0; while [ $i -lt {int(READY_PROBE / PROBE_INTERVAL)} ]; do "
+             f"[ -f {RUNNER_DIR}/ready ] && exec cat {RUNNER_DIR}/ready; "
+             f"kill -0 $pid 2>/dev/null || "
+             f"{{ tail -n 20 {RUNNER_DIR}/runner.log >&2; exit 1; }}; "
+             f"i=$((i+1)); sleep {PROBE_INTERVAL}; done; exit {NOT_READY_YET}")
+    deadline = time.monotonic() + RUNNER_READY_TIMEOUT
+    script = f"{start}; {probe}"
+    while True:
+        response = await client.exec(sandbox_id, "sh", ["-c", script])
+        if response.result.exit_code != NOT_READY_YET or time.monotonic() > deadline:
+            break
+        script = probe
+    info: dict[str, Any] = json.loads(_check(response, what="the Python runner did not start").stdout)
+    return info
+
+
+async def how_runner_ended(client: SandboxClient, sandbox_id: str) -> str | None:
+    """How the runner daemon ended, from its shell's record (written as it ends: waited
+    for briefly); None if unknown."""
+    exit_file = f"{RUNNER_DIR}/runner.exit.$(cat {RUNNER_DIR}/runner.pid)"
+    script = (f"i=0; while [ ! -f {exit_file} ] && [ $i -lt 100 ]; do sleep 0.01; i=$((i+1)); done; "
+              f"cat {exit_file}")
+    try:
+        status = int((await client.exec(sandbox_id, "sh", ["-c", script])).result.stdout.strip())
+    except (SandboxAPIError, ValueError) as exc:
+        log.warning("how the runner ended is not known: %s", exc)
+        return None
+    if status > 128 and (name := _signal_name(status - 128)):
+        return f"killed by {name}"
+    return f"exit code {status}"
+
+
+def _check(response: ExecResponse, what: str = "sandbox command failed") -> ExecResult:
+    """The exec's result if it succeeded, else RuntimeError with `what` and its last words."""
+    result = response.result
+    if result.exit_code != 0 or result.error:
+        detail = (result.error or result.stderr).strip().splitlines()
+        raise RuntimeError(f"{what}: {detail[-1] if detail else f'exit {result.exit_code}'}")
+    return result
+
+
+def _signal_name(number: int) -> str | None:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return None
