@@ -89,7 +89,7 @@ SLOW_START = 2.0
 # Options a kernel argument can set (--SandboxKernel.<name>=...); they win over the
 # environment and the config file.
 KERNEL_ARGUMENTS = ("sandbox_id", "sandbox_name", "on_shutdown", "egress", "shape", "rootfs", "auto_pause",
-                    "warm_pool")
+                    "disk_mib", "env", "warm_pool")
 
 T = TypeVar("T")
 
@@ -120,6 +120,10 @@ class SandboxKernel(Kernel):
                          ).tag(config=True)
     warm_pool = Unicode("", help="keep this many ready sandboxes for starting kernels (0-32)"
                         ).tag(config=True)
+    disk_mib = Unicode("", help="disk of the sandbox the kernel creates, in MiB (default: the shape's)"
+                       ).tag(config=True)
+    env = Unicode("", help="names of the kernel's environment variables to hand to the sandbox it creates"
+                  ).tag(config=True)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
