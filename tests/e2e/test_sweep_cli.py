@@ -113,6 +113,12 @@ def test_ctrl_c_mid_sweep_leaves_no_fork(kernelspec: str, engine: EngineEndpoint
         while len(forks_of_live(engine)) < 2:
             assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()
             time.sleep(0.2)
+        # Mid-sweep every fork has a live owner: gc would destroy none of them.
+        assert "would destroy" not in gc_dry_run()
+        listed = subprocess.run([sys.executable, "-m", "sandbox_kernel", "ls"], capture_output=True,
+                                text=True, timeout=60).stdout
+        assert all(f"owner: kernel " in line for line in listed.splitlines()
+                   if line.split()[0] in forks_of_live(engine)), listed
         # Ctrl-C in a terminal: SIGINT to the whole foreground process group.
         os.killpg(sweep.pid, signal.SIGINT)
         stdout, stderr = sweep.communicate(timeout=90)
