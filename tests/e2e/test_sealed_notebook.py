@@ -99,3 +99,18 @@ def test_a_sealed_host_variable_enters_only_when_the_runner_allows_it(kernelspec
     assert refused.stderr == ("sandbox-kernel: metadata.sandbox.env asks for the host's SEALED_TEST_SECRET: "
                               "pass --allow-env SEALED_TEST_SECRET (or list it in SANDBOX_KERNEL_ALLOW_ENV) "
                               "to hand it to the sandbox\n")
+
+
+def test_papermill_with_the_sandbox_engine_applies_the_seal(
+        kernelspec: str, servers: tuple[int, int], tmp_path: Path) -> None:
+    a, b = servers
+    path = sealed(tmp_path / "sealed.ipynb", kernelspec, {"egress": [f"127.0.0.1:{a}"]},
+                  FETCH, f"print(fetch({a}), fetch({b}))")
+    output = tmp_path / "out.ipynb"
+    result = subprocess.run(
+        [sys.executable, "-m", "papermill", "--engine", "sandbox", "-k", kernelspec, str(path), str(output),
+         "--no-progress-bar"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "SANDBOX_KERNEL_EGRESS": f"127.0.0.1:{b}"})
+    assert result.returncode == 0, result.stderr
+    outputs = nbformat.read(output, as_version=4).cells[1].outputs
+    assert "".join(o.text for o in outputs if o.get("name") == "stdout") == "A HTTP 403\n"
