@@ -90,6 +90,8 @@ def parameter_source(parameters: dict[str, Any]) -> str:
 
 
 def _literal(value: Any) -> str:
+    if isinstance(value, str):  # papermill's spelling: double quotes, escapes as unicode_escape writes them
+        return '"' + value.encode("unicode_escape").decode("utf-8").replace('"', '\\"') + '"'
     if isinstance(value, float) and value != value:
         return "float('nan')"
     if isinstance(value, float) and value in (float("inf"), float("-inf")):
