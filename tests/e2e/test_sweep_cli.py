@@ -47,10 +47,11 @@ def live_ids(engine: EngineEndpoint) -> set[str]:
     return asyncio.run(listed())
 
 
-def forks_of_live(engine: EngineEndpoint) -> list[str]:
-    async def listed() -> list[str]:
+def forks_of_live(engine: EngineEndpoint) -> dict[str, list[str] | None]:
+    """Live forks -> their egress rules."""
+    async def listed() -> dict[str, list[str] | None]:
         async with SandboxClient(engine.url, engine.token) as client:
-            return [view.id for view in names.live(await client.list_sandboxes()) if view.forked_from]
+            return {view.id: view.egress for view in names.live(await client.list_sandboxes()) if view.forked_from}
     return asyncio.run(listed())
 
 
@@ -103,7 +104,9 @@ def test_branches_go_on_from_one_live_state_and_a_failing_one_is_reported(
 
 def test_ctrl_c_mid_sweep_leaves_no_fork(kernelspec: str, engine: EngineEndpoint, tmp_path: Path) -> None:
     before = live_ids(engine)
-    source = notebook(tmp_path / "slow.ipynb", kernelspec, branch="import time\ntime.sleep(120)")
+    # Sealed: the branches' sandboxes have the notebook's network rules (forks of the setup's).
+    source = notebook(tmp_path / "slow.ipynb", kernelspec, branch="import time\ntime.sleep(120)",
+                      sandbox={"egress": ["127.0.0.1:9"]})
     sweep = subprocess.Popen(
         [sys.executable, "-m", "sandbox_kernel", "sweep", str(source), "-p", "alpha", "1", "2",
          "--kernel", kernelspec, "--output-dir", str(tmp_path / "out"), "--jobs", "2"],
@@ -113,6 +116,7 @@ def test_ctrl_c_mid_sweep_leaves_no_fork(kernelspec: str, engine: EngineEndpoint
         while len(forks_of_live(engine)) < 2:
             assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()
             time.sleep(0.2)
+        assert list(forks_of_live(engine).values()) == [["127.0.0.1:9"]] * 2
         # Mid-sweep every fork has a live owner: gc would destroy none of them.
         assert "would destroy" not in gc_dry_run()
         listed = subprocess.run([sys.executable, "-m", "sandbox_kernel", "ls"], capture_output=True,
