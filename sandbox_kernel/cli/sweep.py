@@ -36,7 +36,7 @@ from sandbox_kernel.api import SandboxView
 from sandbox_kernel.config import ConfigError, Settings
 from sandbox_kernel.sandbox import ownership
 from sandbox_kernel.sandbox.sweep import CANCELLED, FAILED, OK, Branch, Outcome, combinations, parse_value, sweep
-from sandbox_kernel.sealed import allowed_env, kernel_arguments
+from sandbox_kernel.sealed import allowed_env, kernel_arguments, sealed_options
 
 PARAMETERS_TAG = "parameters"
 INJECTED_TAG = "injected-parameters"
@@ -208,7 +208,7 @@ async def run_sweep(options: Options, on_outcome: Callable[[Outcome], None],
     sealed = kernel_arguments(nb.metadata, allowed_env(options.allow_env))
     branches = combinations(options.grid)
     names = file_names(options.notebook.stem, branches)
-    settings = _kernel_settings(options.kernel_name)
+    settings = _kernel_settings(options.kernel_name, sealed_options(nb.metadata))
     jobs = options.jobs or (os.cpu_count() or 1) * (CREATEOS_JOBS_PER_CORE if settings.provider == "createos" else 1)
     options.output_dir.mkdir(parents=True, exist_ok=True)
     resources = {"metadata": {"path": str(options.notebook.parent)}}
@@ -263,15 +263,16 @@ async def run_sweep(options: Options, on_outcome: Callable[[Outcome], None],
     return outcomes, branches
 
 
-def _kernel_settings(kernel_name: str) -> Settings:
-    """The settings the kernels will have (a kernelspec's env may choose the provider)."""
+def _kernel_settings(kernel_name: str, sealed: dict[str, str]) -> Settings:
+    """The settings the kernels will have (a kernelspec's env may choose the provider; the
+    seal's auto-pause is the forks' too)."""
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
     try:
         spec_env = KernelSpecManager().get_kernel_spec(kernel_name).env or {}
     except NoSuchKernel:
         raise SweepError(f"no kernelspec {kernel_name!r}: run `sandbox-kernel install` first") from None
-    return Settings.from_env({**os.environ, **spec_env})
+    return Settings.from_env({**os.environ, **spec_env}, kernel_args=sealed)
 
 
 # -- the summary ------------------------------------------------------------------------------
