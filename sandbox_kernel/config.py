@@ -36,6 +36,11 @@ DEFAULT_OUTPUT_RATE_MIB = 8
 MIB = 1024 * 1024
 SHUTDOWN_POLICIES = ("destroy", "pause", "keep")
 MAX_WARM_POOL = 32  # more ready sandboxes than this is a typo, not a warm pool
+MAX_DISK_MIB = 16 * 1024 * 1024  # 16 TiB: more is a typo (the provider refuses what it cannot give)
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Host variables never handed to a sandbox: this project's key and settings (a shared
+# notebook naming them must not carry the API key into its sandbox).
+PRIVATE_ENV_PREFIXES = ("CREATEOS_", "SANDBOX_KERNEL_")
 LOCAL_ENGINE_URL_FOR_UDS = "http://localhost"
 
 
@@ -57,6 +62,10 @@ class Settings:
     on_shutdown: str | None = None  # destroy | pause | keep; None: destroy ours, keep adopted
     egress: list[str] | None = None  # rules for a sandbox the kernel creates; None: allow all
     auto_pause: int | None = DEFAULT_AUTO_PAUSE  # seconds; None: never
+    disk_mib: int | None = None  # disk of a sandbox the kernel creates; None: the shape's default
+    # Host environment variables handed to a sandbox the kernel creates (name -> value, read
+    # from the kernel's own environment; only their names are ever shown).
+    sandbox_env: dict[str, str] | None = field(default=None, repr=False)
     output_limit: int = DEFAULT_OUTPUT_LIMIT_MIB * MIB  # bytes of output a cell may show
     output_rate: int = DEFAULT_OUTPUT_RATE_MIB * MIB  # bytes per second after a burst; 0: no limit
     warm_pool: int = 0  # ready sandboxes kept for starting kernels (pool.py); 0: no pool
@@ -92,6 +101,8 @@ class Settings:
                    engine_transport=options.choice("engine_transport", ("unix", "tcp"), "unix"),
                    attach_to=options.text("sandbox_id"), on_shutdown=on_shutdown,
                    egress=options.egress(), auto_pause=options.auto_pause(),
+                   disk_mib=options.count("disk_mib", MAX_DISK_MIB) or None,
+                   sandbox_env=options.sandbox_env(env),
                    output_limit=options.mebibytes("output_limit", DEFAULT_OUTPUT_LIMIT_MIB, 1),
                    output_rate=options.mebibytes("output_rate", DEFAULT_OUTPUT_RATE_MIB, 0),
                    warm_pool=options.count("warm_pool", MAX_WARM_POOL),
@@ -115,6 +126,8 @@ ENV_VARS = {
     "shape": "SANDBOX_KERNEL_SHAPE",
     "rootfs": "SANDBOX_KERNEL_ROOTFS",
     "auto_pause": "SANDBOX_KERNEL_AUTO_PAUSE",
+    "disk_mib": "SANDBOX_KERNEL_DISK_MIB",
+    "env": "SANDBOX_KERNEL_ENV",
     "egress": "SANDBOX_KERNEL_EGRESS",
     "on_shutdown": "SANDBOX_KERNEL_ON_SHUTDOWN",
     "sandbox_id": "SANDBOX_KERNEL_SANDBOX_ID",
@@ -209,6 +222,24 @@ class _Options:
         if not 60 <= seconds <= 86400:
             raise ConfigError(f"{self.source('auto_pause')} must be 60-86400 seconds or off, not {text!r}")
         return seconds
+
+    def sandbox_env(self, env: Mapping[str, str]) -> dict[str, str] | None:
+        """The host variables named by the env option (comma- or space-separated), with
+        their values from `env`; None when not set."""
+        text = self.text("env")
+        if not text:
+            return None
+        handed: dict[str, str] = {}
+        for name in text.replace(",", " ").split():
+            if not ENV_NAME.fullmatch(name):
+                raise ConfigError(f"{self.source('env')}: {name!r} is not an environment variable name")
+            if name.startswith(PRIVATE_ENV_PREFIXES):
+                raise ConfigError(f"{self.source('env')}: {name} is sandbox-kernel's own and never "
+                                  "enters a sandbox")
+            if name not in env:
+                raise ConfigError(f"{self.source('env')}: {name} is not set in the environment")
+            handed[name] = env[name]
+        return handed
 
     def flag(self, name: str) -> bool:
         """true/false (also 1/0, yes/no, on/off); false when not set."""

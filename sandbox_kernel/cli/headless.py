@@ -4,7 +4,8 @@ For terminals, CI jobs and agents: every code cell runs on the sandbox kernel (t
 nbclient, as `jupyter execute` would) and its outputs are printed as text, images as a
 one-line placeholder. Cells tagged `raises-exception` may fail; any other error stops
 the run (or, with allow_errors, is noted and the run goes on) with exit status 1. The last
-line sums up: how many cells ran, which failed, how long it took.
+line sums up: how many cells ran, which failed, how long it took. A notebook sealed by its
+metadata (sealed.py) runs with exactly the sandbox its metadata says, or not at all.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import re
 import sys
 import time
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any, TextIO
+
+from sandbox_kernel.sandbox.sealed import allowed_env, kernel_arguments
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -59,7 +63,7 @@ def summary(nb: Any, seconds: float, stopped_by: str | None = None) -> tuple[str
 
 
 def run_notebook(path: Path, kernel_name: str, output: Path | None, timeout: float,
-                 allow_errors: bool = False) -> int:
+                 allow_errors: bool = False, allow_env: Collection[str] = ()) -> int:
     try:
         import nbformat
         from nbclient import NotebookClient
@@ -70,11 +74,14 @@ def run_notebook(path: Path, kernel_name: str, output: Path | None, timeout: flo
     from jupyter_client.kernelspec import NoSuchKernel
 
     nb = nbformat.read(path, as_version=4)
+    # Before any kernel starts: a seal that cannot be applied refuses the run (SealError).
+    sealed = kernel_arguments(nb.metadata, allowed_env(allow_env))
     for cell in nb.cells:  # outputs saved in the file must not pass for this run's
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
     client = NotebookClient(nb, kernel_name=kernel_name, timeout=timeout, startup_timeout=timeout,
-                            allow_errors=allow_errors, resources={"metadata": {"path": str(path.parent)}})
+                            allow_errors=allow_errors, resources={"metadata": {"path": str(path.parent)}},
+                            extra_arguments=sealed)
     started = time.monotonic()
     stopped_by = None
     try:

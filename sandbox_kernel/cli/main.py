@@ -1,4 +1,4 @@
-"""`sandbox-kernel install | run | serve | ls | rm | gc | doctor`."""
+"""`sandbox-kernel install | run | sweep | serve | ls | rm | gc | doctor`."""
 
 from __future__ import annotations
 
@@ -127,7 +127,8 @@ async def _collect(settings: Settings, dry_run: bool) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from sandbox_kernel.cli.headless import run_notebook
 
-    return run_notebook(args.notebook, args.kernel, args.output, args.timeout, args.allow_errors)
+    return run_notebook(args.notebook, args.kernel, args.output, args.timeout, args.allow_errors,
+                        args.allow_env)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -136,6 +137,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     ok, lines = report()
     print("\n".join(lines))
     return 0 if ok else 1
+
+
+def add_allow_env(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allow-env", action="append", default=[], metavar="NAME",
+                        help="let this host environment variable into the sandbox when the notebook's "
+                             "metadata.sandbox.env asks for it (repeatable; also SANDBOX_KERNEL_ALLOW_ENV)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,7 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=600, help="seconds per cell (default: 600)")
     run.add_argument("--allow-errors", action="store_true",
                      help="run every cell even after one fails (the exit status is still 1)")
+    add_allow_env(run)
     run.set_defaults(run=cmd_run)
+
+    from sandbox_kernel.cli.sweep import add_parser as add_sweep
+
+    add_sweep(sub, add_allow_env)
 
     serve = sub.add_parser("serve", help="run the local engine (CreateOS-compatible API)")
     serve.add_argument("--host", default="127.0.0.1", help="loopback address to listen on")

@@ -59,7 +59,7 @@ log = logging.getLogger("sandbox_kernel.kernel.handlers")
 # Options a kernel argument can set (--SandboxKernel.<name>=...); they win over the
 # environment and the config file.
 KERNEL_ARGUMENTS = ("sandbox_id", "sandbox_name", "on_shutdown", "egress", "shape", "rootfs", "auto_pause",
-                    "warm_pool")
+                    "disk_mib", "env", "warm_pool")
 # The message types this kernel handles itself, on the shell channel and on the control
 # channel, by the name of their handler (an attribute path from the kernel). ipykernel
 # handles the rest (connect, shutdown, complete...), calling the do_* hooks below.
@@ -112,6 +112,10 @@ class SandboxKernel(Kernel):
                          ).tag(config=True)
     warm_pool = Unicode("", help="keep this many ready sandboxes for starting kernels (0-32)"
                         ).tag(config=True)
+    disk_mib = Unicode("", help="disk of the sandbox the kernel creates, in MiB (default: the shape's)"
+                       ).tag(config=True)
+    env = Unicode("", help="names of the kernel's environment variables to hand to the sandbox it creates"
+                  ).tag(config=True)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -100,13 +100,15 @@ def _update(sandbox_id: str, change: Callable[[Record], None]) -> None:
         _write(folder, sandbox_id, record)
 
 
-def own(sandbox_id: str) -> None:
-    """This kernel is now responsible for the sandbox (and drives it or may)."""
-    me = os.getpid()
+def own(sandbox_id: str, owner: int | None = None) -> None:
+    """This kernel is now responsible for the sandbox (and drives it or may); or the live
+    kernel `owner` is, which does not drive it (yet)."""
+    me = owner or os.getpid()
 
     def take(record: Record) -> None:
         record.owner, record.kept, record.handoff_until = me, False, 0.0
-        record.users = [*(pid for pid in record.users if pid != me), me]
+        if owner is None:
+            record.users = [*(pid for pid in record.users if pid != me), me]
     _update(sandbox_id, take)
 
 

@@ -67,6 +67,8 @@ def pool_key(settings: Settings) -> str:
                 hashlib.sha256((settings.api_key or "").encode()).hexdigest(),
                 settings.shape, settings.rootfs,
                 sorted(settings.egress) if settings.egress is not None else None,
+                settings.disk_mib,
+                hashlib.sha256(json.dumps(sorted((settings.sandbox_env or {}).items())).encode()).hexdigest(),
                 runner_bundle.own_hash()]
     return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
 

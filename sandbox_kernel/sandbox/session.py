@@ -169,7 +169,8 @@ class SandboxSession:
         try:
             created = await client.create_sandbox(
                 CreateSandboxRequest(shape=self.settings.shape, rootfs=self.settings.rootfs, name=name,
-                                     egress=self.settings.egress,
+                                     egress=self.settings.egress, disk_mib=self.settings.disk_mib,
+                                     envs=self.settings.sandbox_env,
                                      auto_pause_after_seconds=self.settings.auto_pause))
         except SandboxAPIError as exc:
             if exc.status_code is not None and exc.status_code < 500:  # refused: nothing was made
@@ -426,8 +427,9 @@ class SandboxSession:
         return view
 
     async def fork(self, name: str | None = None, progress: Progress | None = None,
-                   on_pause: Progress | None = None) -> SandboxView:
-        """Fork this sandbox (live memory and files); return the running child.
+                   on_pause: Progress | None = None, owner: int | None = None) -> SandboxView:
+        """Fork this sandbox (live memory and files); return the running child, owned by
+        this kernel or by the live kernel `owner` (a sweep run from the command line).
 
         CreateOS forks only paused sandboxes, so a running one is paused first
         (on_pause hears about it). The parent stays paused; the next cell resumes it.
@@ -446,12 +448,28 @@ class SandboxSession:
                 on_pause(f"Pausing sandbox {sandbox_id} first: only a paused sandbox can be forked")
             await self.pause(progress)
         child = await client.fork_sandbox(sandbox_id, ForkSandboxRequest(envs=envs))
-        ownership.own(child.id)  # at once: a kernel killed now leaves it to gc, not to nobody
+        ownership.own(child.id, owner)  # at once: a kernel killed now leaves it to gc, not to nobody
         view = await self._settle(child.id, SandboxStatus.RUNNING, progress)
         if view.auto_pause_after_seconds is None:
             view = self._track(await client.patch_sandbox(view.id, PatchSandboxRequest(
                 auto_pause_after_seconds=self.settings.auto_pause or FORK_AUTO_PAUSE)))
         return view
+
+    async def observe(self, ref: str) -> SandboxView:
+        """Follow the sandbox `ref` (an id or a name) that another kernel drives, starting no
+        runner and recording no use: for pausing, forking and destroying its forks (a sweep
+        from the command line forks the sandbox its setup kernel made)."""
+        if self.client is None:
+            self.client = await open_client(self.settings)
+        view = await self.find(ref)
+        self.sandbox_id = view.id
+        return view
+
+    async def close(self) -> None:
+        """Close the client of a session that only observed (observe): nothing is owned or used."""
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
 
     async def find(self, ref: str) -> SandboxView:
         """The sandbox an id or a name designates, from any notebook (names.py)."""
