@@ -222,11 +222,11 @@ def proxy_env() -> dict[str, str]:
 def bytecode(name: str, source: bytes) -> bytes:
     """The agent module's compiled form, as the sandbox's Python (the engine's own) would
     cache it next to the source: in the sandbox that directory is read-only, so every
-    agent start compiled its modules again (a fork's agent: agent.py, processes.py,
-    self_signal.py, nsfork.py: 40 ms of its start on a busy host; run_agent.py, the script,
-    is compiled anyway, and is short for that reason). A checked-hash pyc
-    (PEP 552): the interpreter uses it only if the source's hash matches, so it can never
-    stand for other code than the source bound beside it. Made once per engine."""
+    agent start compiled its modules again (agent.py, processes.py, self_signal.py, and
+    nsfork.py in a fork's child: 50 ms on a busy 2-core host; run_agent.py, the script, is
+    compiled anyway, and is short for that reason). A checked-hash pyc (PEP 552): the
+    interpreter uses it only if the source's hash matches, so it can never stand for
+    other code than the source bound beside it. Made once per engine."""
     code = compile(source, f"{AGENT_MOUNT}/{name}", "exec", dont_inherit=True, optimize=0)
     flags = 0b11  # hash-based, checked
     return (importlib.util.MAGIC_NUMBER + flags.to_bytes(4, "little")

@@ -307,8 +307,10 @@ def _await_frozen(events: Path, deadline: float) -> bool:
     Woken by the kernel's change notification on the file (poll: POLLPRI), not by a timer:
     a sandbox freezes in a fraction of a millisecond, and sleeping POLL between reads made
     every pause (and the source's re-freeze in every fork) last at least POLL. No change is
-    missed: poll() reports one made at any time since the file was last read. POLL still
-    bounds each wait, in case a kernel does not notify."""
+    missed: poll() reports one made at any time since the file was last read. The kernel
+    notifies a file at most once per 10 ms (a later change waits for the window's end), so
+    a freeze right after a thaw or an attach can still take that long. POLL bounds each
+    wait, in case a kernel does not notify at all."""
     with open(events, "rb", buffering=0) as file:
         poller = poll()
         poller.register(file, POLLPRI)
