@@ -40,6 +40,7 @@ class Plan:
     starts: int = 8
     lifecycle: int = 10
     lifecycle_mib: int = 200
+    fan_out_batches: int = 3  # each: 10 forks of one source
     density_kernels: int = 20
     density_seconds: float = 60.0
     cloud_starts: int = 5
@@ -47,7 +48,7 @@ class Plan:
 
 
 QUICK = Plan(round_trip=3, streaming=1, throughput=1, flood_mib=1, rich=1, frame_mb=0.2, starts=1,
-             lifecycle=1, lifecycle_mib=20, density_kernels=1, density_seconds=2.0, cloud_starts=1)
+             lifecycle=1, lifecycle_mib=20, fan_out_batches=1, density_kernels=1, density_seconds=2.0, cloud_starts=1)
 
 
 async def cell_measures(plan: Plan, env: BenchEnv) -> list[Row]:
@@ -63,7 +64,7 @@ async def cell_measures(plan: Plan, env: BenchEnv) -> list[Row]:
 MEASURES: dict[str, Callable[[Plan, BenchEnv], Awaitable[list[Row]]]] = {
     "cells": cell_measures,
     "startup": lambda plan, env: startup.measure(plan.starts),
-    "lifecycle": lambda plan, env: lifecycle.rows(plan.lifecycle, plan.lifecycle_mib),
+    "lifecycle": lambda plan, env: lifecycle.rows(plan.lifecycle, plan.lifecycle_mib, plan.fan_out_batches),
     "density": lambda plan, env: density.measure(env, plan.density_kernels, plan.density_seconds),
     "cloud": lambda plan, env: cloud.measure(env, plan.cloud_rtt, plan.cloud_starts, plan.round_trip),
 }

@@ -873,11 +873,14 @@ class Engine:
         """Copy the paused source into the child: its agent forks a process that becomes
         the child sandbox (new namespaces, copied files; see guest/nsfork.py), and the
         runner forks itself into it, live Python state and all. The source is thawed
-        for the few milliseconds this takes, then paused again."""
+        for the few milliseconds this takes, then paused again: while the child's agent
+        starts (a new interpreter, the longest step), so the two overlap. The fork is done,
+        and the source free again, once both are."""
         assert source.freezer and source.frozen and source.family
         started = time.monotonic()
         child.dirs.root.mkdir(mode=0o700)  # so an engine restart finds what it left
         child.dirs.agent.mkdir(mode=0o700)
+        refreeze: asyncio.Future | None = None
         try:
             # The child's agent serves a socket bound here, handed over with the request:
             # the engine reaches it as it reaches a founder's, in a host dir of its own.
@@ -892,14 +895,18 @@ class Engine:
                     source.family.check_fork_members(agent_pid, followers)
                     self._attach(child, agent_pid, *followers)
                 finally:
-                    await self._blocking(source, source.freezer.freeze, source.frozen)
+                    refreeze = asyncio.ensure_future(
+                        self._blocking(source, source.freezer.freeze, source.frozen))
             await self._wait_for_agent(child)
+            await refreeze
             self._open_gate(child)
             if start_paused:
                 await self._blocking(child, child.freezer.freeze, child.frozen)
                 child.paused_at = time.time()
         except Exception as exc:  # noqa: BLE001 - reported as the child's state
             log.warning("fork of %s failed: %s", source.id, exc)
+            if refreeze is not None:  # the source is settled before its fork ends
+                await asyncio.gather(refreeze, return_exceptions=True)
             child.status = SandboxStatus.FAILED
             await self._stop(child)
             return

@@ -31,12 +31,14 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from select import POLLPRI, poll  # (this module's own select() chooses a freezer)
 
 log = logging.getLogger("sandbox_kernel.freezer")
 
 FREEZE_TIMEOUT = 10.0
 EMPTY_TIMEOUT = 10.0
 POLL = 0.01
+POLL_FIRST = 0.0005  # a freeze usually takes well under a millisecond
 GROUP = "sandbox-kernel"
 LEAF = "processes"  # cgroup v2: where a sandbox's processes live, under its own cgroup
 CHOICES = ("auto", "cgroup-v2", "cgroup-v1", "signal")
@@ -289,17 +291,36 @@ class CgroupV2Freezer(CgroupFreezer):
     def freeze(self, handle: Handle) -> None:
         assert handle.cgroup is not None
         _write(handle.cgroup / "cgroup.freeze", "1")
-        deadline = time.monotonic() + FREEZE_TIMEOUT
-        while "frozen 1" not in _read(handle.cgroup / "cgroup.events").splitlines():
-            if time.monotonic() > deadline:
-                self.thaw(handle)
-                raise FreezerError("the sandbox's cgroup did not freeze in time")
-            time.sleep(POLL)
+        if not _await_frozen(handle.cgroup / "cgroup.events", time.monotonic() + FREEZE_TIMEOUT):
+            self.thaw(handle)
+            raise FreezerError("the sandbox's cgroup did not freeze in time")
 
     def thaw(self, handle: Handle) -> None:
         assert handle.cgroup is not None
         with contextlib.suppress(FileNotFoundError):
             _write(handle.cgroup / "cgroup.freeze", "0")
+
+
+def _await_frozen(events: Path, deadline: float) -> bool:
+    """Wait until `events` (a v2 cgroup.events) says `frozen 1`; False past the deadline.
+
+    Woken by the kernel's change notification on the file (poll: POLLPRI), not by a timer:
+    a sandbox freezes in a fraction of a millisecond, and sleeping POLL between reads made
+    every pause (and the source's re-freeze in every fork) last at least POLL. No change is
+    missed: poll() reports one made at any time since the file was last read. The kernel
+    notifies a file at most once per 10 ms (a later change waits for the window's end), so
+    a freeze right after a thaw or an attach can still take that long. POLL bounds each
+    wait, in case a kernel does not notify at all."""
+    with open(events, "rb", buffering=0) as file:
+        poller = poll()
+        poller.register(file, POLLPRI)
+        while b"frozen 1" not in file.read().splitlines():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            poller.poll(min(remaining, POLL) * 1000)
+            file.seek(0)
+    return True
 
 
 # -- cgroup v1 ----------------------------------------------------------------------------
@@ -326,6 +347,7 @@ class CgroupV1Freezer(CgroupFreezer):
         _write(state, "FROZEN")
         deadline = time.monotonic() + FREEZE_TIMEOUT
         rewritten = time.monotonic()
+        pause = POLL_FIRST  # v1 does not notify: look again soon, then less often
         while _read(state).strip() != "FROZEN":
             now = time.monotonic()
             if now > deadline:
@@ -334,7 +356,8 @@ class CgroupV1Freezer(CgroupFreezer):
             if now - rewritten > 0.5:  # FREEZING may need a nudge (tasks that were busy)
                 _write(state, "FROZEN")
                 rewritten = now
-            time.sleep(POLL)
+            time.sleep(pause)
+            pause = min(pause * 2, POLL)
 
     def thaw(self, handle: Handle) -> None:
         assert handle.cgroup is not None

@@ -16,7 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "run.py"
 ROWS = ("trivial cell round trip", "streaming: first chunk", "streaming: lag", "streaming: throughput",
         "a background thread's print",
         "matplotlib PNG", "DataFrame HTML", "start to first result, cold", "start to first result, warm",
-        "pause of a runner", "resume of a runner", "fork of a runner", "density:", "memory per idle sandbox",
+        "pause of a runner", "resume of a runner", "fork of a runner", "10 forks of one source", "density:", "memory per idle sandbox",
         "memory of the sandbox kernel", "cloud, 30 ms round trip: trivial cell", "cloud, 30 ms round trip: a cold kernel start")
 
 

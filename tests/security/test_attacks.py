@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import socket
 import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -91,8 +92,11 @@ def test_writes_outside_the_workspace_never_reach_the_host(kc, tmp_path: Path) -
     host_file = tmp_path / "host-file.txt"
     host_file.write_text("original")
     host_file.chmod(0o666)
-    protected = ["/usr/sandbox-was-here", "/etc/passwd", "/opt/sandbox-kernel/agent.py",
-                 "/run/sandbox-agent/intruder"]
+    # The agent's code: its start script, its modules and the bytecode the engine binds beside them.
+    agent_code = ["/opt/sandbox-kernel/agent.py", "/opt/sandbox-kernel/run_agent.py",
+                  f"/opt/sandbox-kernel/__pycache__/agent.{sys.implementation.cache_tag}.pyc",
+                  "/opt/sandbox-kernel/__pycache__/intruder.pyc"]
+    protected = ["/usr/sandbox-was-here", "/etc/passwd", *agent_code, "/run/sandbox-agent/intruder"]
     found = attempt(kc, f"""
         import socket, sys
         targets = {protected!r} + [sys.prefix + '/sandbox-was-here', sys.prefix + '/pyvenv.cfg', os.__file__]

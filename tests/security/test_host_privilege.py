@@ -29,7 +29,7 @@ async def run(client: SandboxClient, sandbox_id: str, code: str) -> dict:
     pid of the sandbox's agent (bwrap's init, pid 1, has the agent's command line too)."""
     prelude = ("import errno, json, os\n"
                "AGENT = next(int(p) for p in os.listdir('/proc') if p.isdigit() and p != '1'\n"
-               "             and b'/agent.py' in open('/proc/%s/cmdline' % p, 'rb').read())\n"
+               "             and b'/run_agent.py' in open('/proc/%s/cmdline' % p, 'rb').read())\n"
                "def outcome(action):\n"
                "    try:\n"
                "        value = action()\n"

@@ -1,7 +1,7 @@
 """The agent inside every local sandbox: spawns exec'd commands and moves files.
 
-bwrap starts this file as the sandbox's main process (bwrap's own init is PID 1 and
-reaps orphans; when this process exits, bwrap tears the whole sandbox down). It runs
+bwrap starts it (through run_agent.py) as the sandbox's main process (bwrap's own init
+is PID 1 and reaps orphans; when this process exits, bwrap tears the whole sandbox down). It runs
 with the sandbox's view of the world, so every path it touches is resolved *inside* the
 sandbox: a symlink to /etc/passwd in an upload reaches the sandbox's own /etc/passwd,
 never the host's. Stdlib only: it runs on the sandbox's Python, not the engine's.
@@ -44,17 +44,10 @@ as CreateOS does when a client abandons an exec.
 
 from __future__ import annotations
 
-import ctypes
-
-# Before anything else, the imports included: an agent starts dumpable (exec makes it so)
-# while it already holds its listening socket, and a dumpable process is open to the
-# sandbox's code (see set_dumpable). A fork's agent starts while that code runs.
-if __name__ == "__main__" and ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
-    raise SystemExit("agent: prctl(PR_SET_DUMPABLE) failed")
-
-import asyncio  # noqa: E402 - after the line above
+import asyncio
 import codecs
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -63,12 +56,13 @@ import socket
 import stat
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script dir out
+# Beside this file, on the path run_agent.py (what starts an agent) puts its directory on.
+from processes import ProcessError, ProcessTable
+import self_signal
 
-from processes import ProcessError, ProcessTable  # noqa: E402 - needs the path above
-import self_signal  # noqa: E402 (needs the path above)
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_agent.py")
 
 CHUNK = 64 * 1024
 MAX_HEADER = 1 << 20
@@ -247,13 +241,17 @@ class Agent:
 
     async def fork(self, request: dict, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
+        # Loaded here, not in the forked child: the child's every millisecond is the new
+        # sandbox's start, and this agent's next forks find it loaded.
+        from nsfork import become_sandbox
+
         listener = await receive_listener(writer)
         ready_read, ready_write = os.pipe()  # close-on-exec: EOF once the child execs
         try:
             pid = os.fork()
             if pid == 0:
                 os.close(ready_read)
-                self._become_fork(request, ready_write, listener)  # never returns
+                self._become_fork(request, ready_write, listener, become_sandbox)  # never returns
         finally:
             os.close(ready_write)
             os.close(listener)  # the new agent has it now
@@ -275,20 +273,19 @@ class Agent:
                 return
         writer.write(frame({"ok": True, "pid": pid, "followers": followers}))
 
-    def _become_fork(self, request: dict, ready: int, listener: int) -> None:
+    def _become_fork(self, request: dict, ready: int, listener: int,
+                     become_sandbox: Callable[[str, int, str, str], None]) -> None:
         """In the forked child: set up the new sandbox, then exec a fresh agent in it that
         serves `listener`. Everything else this copy of the agent holds (its own listener,
         the engine's connections) is closed first: nsfork makes it dumpable for a moment,
         and a dumpable process's descriptors are open to the sandbox's code."""
         try:
             close_all_but(ready, listener)
-            from nsfork import become_sandbox
-
             become_sandbox(str(request.get("hostname") or "sandbox"), int(request["disk_mib"]),
                            os.path.dirname(self.socket_path), self.workdir)
             os.set_inheritable(listener, True)
             os.environ.update(request.get("env") or {})
-            os.execv(sys.executable, [sys.executable, "-I", "-S", os.path.abspath(__file__),
+            os.execv(sys.executable, [sys.executable, "-I", "-S", LAUNCHER,
                                       self.socket_path, self.workdir, str(listener)])
         except BaseException as exc:  # report, never fall back into the parent's event loop
             os.write(ready, ("%s: %s" % (type(exc).__name__, exc)).encode()[:4000])
@@ -620,13 +617,9 @@ def set_dumpable(dumpable: bool) -> None:
 
 def main(argv: list) -> int:
     if len(argv) != 4:
-        sys.stderr.write("usage: agent.py SOCKET WORKDIR LISTEN_FD\n")
+        sys.stderr.write("usage: run_agent.py SOCKET WORKDIR LISTEN_FD\n")
         return 2
     apply_rlimits()
     os.umask(0o022)  # the engine's is 077; files made in the sandbox get the usual modes
     asyncio.run(serve(argv[1], argv[2], int(argv[3])))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

@@ -18,7 +18,6 @@ import ctypes
 import errno
 import fcntl
 import os
-import platform
 import shutil
 import socket
 import stat
@@ -175,9 +174,10 @@ def _build_root(new_root: str, agent_dir: str) -> None:
 
 
 def _pivot(new_root: str) -> None:
-    number = PIVOT_ROOT.get(platform.machine())
+    machine = os.uname().machine  # (platform.machine(), without importing platform)
+    number = PIVOT_ROOT.get(machine)
     if number is None:
-        raise ForkSetupError("pivot_root: unknown architecture %s" % platform.machine())
+        raise ForkSetupError("pivot_root: unknown architecture %s" % machine)
     old = os.path.join(new_root, ".old-root")
     os.mkdir(old)
     _check(_libc.syscall(number, new_root.encode(), old.encode()), "pivot_root")
