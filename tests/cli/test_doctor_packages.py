@@ -1,0 +1,52 @@
+"""`sandbox-kernel doctor` checks what the tour uses where it is needed: in the environment
+JupyterLab and the kernel run from, and inside a real sandbox (what notebooks import), one
+line each with the command that fixes it; and it says which environment the sandboxes see.
+
+The environment here links to the test environment's packages but two (the frontends of
+widgets and of the usage panel); its sandboxes see none of the linked ones (the links lead
+into an environment they do not see): the two sides disagree, and each line says its own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from linked_venv import linked_venv
+
+pytestmark = pytest.mark.slow
+
+
+def test_doctor_checks_each_side_for_itself(tmp_path: Path) -> None:
+    python = linked_venv(tmp_path / "env", without=("jupyterlab_widgets", "jupyter_resource_usage"))
+    env = {**os.environ, "SANDBOX_KERNEL_STATE_DIR": str(tmp_path / "state")}
+    try:
+        done = subprocess.run([python, "-m", "sandbox_kernel", "doctor"], env=env, capture_output=True,
+                              text=True, timeout=120)
+    finally:  # the engine the sandbox check started
+        subprocess.run([python, "-m", "sandbox_kernel", "serve", "--stop"], env=env, timeout=60)
+    lines = done.stdout.splitlines()
+    fix = f"fix: {python} -m pip install"
+    assert done.returncode == 0, done.stdout + done.stderr  # isolation holds: packages do not fail it
+
+    # this environment: the two frontends are missing, nothing else is looked for
+    frontend = lines[lines.index(f"the tour's packages in this environment (JupyterLab's and the kernel's, "
+                                 f"{tmp_path / 'env'}):") + 1:]
+    assert frontend[:2] == [
+        f"  ✗ jupyterlab_widgets not installed: JupyterLab shows widgets and tqdm's notebook bars as text; "
+        f"{fix} ipywidgets",
+        f"  ✗ jupyter-resource-usage not installed: JupyterLab has no kernel usage panel; {fix} jupyter-resource-usage"]
+
+    # inside a sandbox: this environment, where none of them is, though the host imports them
+    subprocess.run([python, "-c", "import ipywidgets, tqdm, debugpy"], check=True, timeout=60)
+    sandbox = lines[lines.index("the tour's packages inside a sandbox (what notebooks import; "
+                                "a throw-away sandbox is asked):") + 1:]
+    assert sandbox == [
+        f"  sandboxes see the Python environment {tmp_path / 'env'} (this one, read-only)",
+        *(f"  ✗ {name} not installed: notebooks cannot import it ({use}); {fix} {name} "
+          f"(or %pip install {name} in a notebook, for its sandbox only)"
+          for name, use in (("ipywidgets", "widgets, and tqdm's notebook bars"), ("tqdm", "progress bars"),
+                            ("debugpy", "the debugger")))]
