@@ -38,7 +38,7 @@ from sandbox_kernel.api import (
     SandboxView,
 )
 from sandbox_kernel.api import names
-from sandbox_kernel.sandbox import ownership, pool, shutdown_policy
+from sandbox_kernel.sandbox import host_pip_settings, ownership, pool, shutdown_policy
 from sandbox_kernel.guest import runner_bundle, runner_protocol as protocol
 from sandbox_kernel.sandbox.channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxProcesses
 from sandbox_kernel.sandbox.exec_transport import ExecFailed, ExecTransport, RunnerGone, encode_arg
@@ -166,10 +166,11 @@ class SandboxSession:
         # trace that shutdown and `gc` can follow to the sandbox (ownership.creating).
         name = self.settings.name or f"notebook-{secrets.token_hex(4)}"
         ownership.creating(name)
+        host_pip = host_pip_settings.for_sandbox(self.settings)  # the host's index and CA bundle, no credential
         try:
             created = await client.create_sandbox(
                 CreateSandboxRequest(shape=self.settings.shape, rootfs=self.settings.rootfs, name=name,
-                                     egress=self.settings.egress,
+                                     egress=self.settings.egress, envs=host_pip.envs or None,
                                      auto_pause_after_seconds=self.settings.auto_pause))
         except SandboxAPIError as exc:
             if exc.status_code is not None and exc.status_code < 500:  # refused: nothing was made
@@ -180,6 +181,7 @@ class SandboxSession:
             raise
         ownership.created(name, created.id)
         self.sandbox_id = created.id
+        await host_pip_settings.upload(client, created.id, host_pip)
         self._track(await client.get_sandbox(created.id))
         await self.start_runner(new_sandbox=True)
 
@@ -503,7 +505,7 @@ class SandboxSession:
         client, sandbox_id = self._require()
         source = await self.view()
         try:
-            envs = names.fork_envs(source, name)
+            envs = names.fork_envs(source, name, host_pip_settings.for_sandbox(self.settings).envs)
             if name and (holder := names.taken_by(await client.list_sandboxes(), names.checked(name))):
                 raise SessionError(f"the name {name!r} is taken by sandbox {holder.id} on "
                                    f"{self.settings.description}: choose another")
