@@ -13,9 +13,11 @@ uploaded to SANDBOX_CA_DIR and the variable names the copy.
 What is never passed (the sandbox runs code the user did not write: a credential there is
 a credential leaked): an index URL carrying a user, password or query (`user:token@host`),
 a file holding a private key, pip's client-cert. Each is one line of `withheld`, which the
-kernel logs at the sandbox's creation. On the local engine an index on the host's loopback
+kernel logs once, at its first sandbox's creation. On the local engine an index on the host's loopback
 is reached as HOST_ALIAS (the sandbox's own 127.0.0.1 is its own), through an egress rule
-like any other destination, and trusted as the host trusts its loopback.
+like any other destination, and trusted as the host trusts its loopback; a CA bundle (or SSL_CERT_DIR) the local
+engine's sandboxes see at the same path (the system's, under /etc/ssl) is named, not copied.
+An index in a host directory (file://) is not passed: the sandbox cannot see it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ log = logging.getLogger("sandbox_kernel.host_pip_settings")
 SANDBOX_CA_DIR = "/tmp/sandbox-kernel/host-ca"
 CA_BUNDLE_LIMIT = 4 * 1024 * 1024  # a CA bundle is ~200 KiB; anything far larger is no bundle
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+# The withheld lines this process logged: each is said once, at its first sandbox, not at
+# every fork or warm pool member.
+_said: set[str] = set()
 
 # Variable -> pip configuration key that stands in for it when it is not set.
 INDEX_SETTINGS = {"PIP_INDEX_URL": "index-url", "PIP_EXTRA_INDEX_URL": "extra-index-url"}
@@ -57,14 +62,18 @@ class HostPipSettings:
 
 def for_sandbox(settings: Settings) -> HostPipSettings:
     """This host's settings for a sandbox of `settings`' provider, each withheld one logged."""
-    alias = None
+    alias, shared = None, ()
     if settings.provider == "local":
+        from sandbox_kernel.local.bwrap import HOST_ETC
         from sandbox_kernel.local.egress_gate import HOST_ALIAS
 
-        alias = HOST_ALIAS
-    found = collect(os.environ, pip_config_files(os.environ), alias)
+        # What the local engine's sandboxes see of the host, read-only at the same path.
+        alias, shared = HOST_ALIAS, ("/usr", *(f"/etc/{name}" for name in HOST_ETC))
+    found = collect(os.environ, pip_config_files(os.environ), alias, shared)
     for line in found.withheld:
-        log.warning("%s", line)
+        if line not in _said:
+            _said.add(line)
+            log.warning("%s", line)
     return found
 
 
@@ -79,9 +88,12 @@ async def upload(client: SandboxClient, sandbox_id: str, found: HostPipSettings)
         await client.upload_file(sandbox_id, path, data)
 
 
-def collect(environ: Mapping[str, str], config_files: list[Path], loopback_alias: str | None) -> HostPipSettings:
+def collect(environ: Mapping[str, str], config_files: list[Path], loopback_alias: str | None,
+            shared_dirs: tuple[str, ...] = ()) -> HostPipSettings:
     """The settings of `environ`, or else of pip's `config_files` (later ones win). A
-    loopback index becomes `loopback_alias` (None: a provider that cannot reach the host)."""
+    loopback index becomes `loopback_alias` (None: a provider that cannot reach the host).
+    A CA bundle inside `shared_dirs` (host dirs the sandbox sees at the same path) is not
+    copied: its variable names it where it is."""
     config = read_pip_config(config_files)
     found = HostPipSettings()
     trusted = (environ.get("PIP_TRUSTED_HOST") or config.get("trusted-host", "")).split()
@@ -101,12 +113,16 @@ def collect(environ: Mapping[str, str], config_files: list[Path], loopback_alias
     for variable, key in CA_SETTINGS.items():
         host_path = environ.get(variable) or (config.get(key) if key else None)
         if host_path:
-            copied = _copy_of(Path(host_path).expanduser(), variable, found)
+            copied = _copy_of(Path(host_path).expanduser(), variable, found, shared_dirs)
             if copied:
                 found.envs[variable] = copied
-    if environ.get("SSL_CERT_DIR"):
-        found.withheld.append("the host's SSL_CERT_DIR is not passed to the sandbox (a directory; "
-                              "SSL_CERT_FILE with one bundle is)")
+    if cert_dir := environ.get("SSL_CERT_DIR"):
+        resolved = os.path.realpath(cert_dir)
+        if _shared(resolved, shared_dirs):
+            found.envs["SSL_CERT_DIR"] = resolved
+        else:
+            found.withheld.append(f"SSL_CERT_DIR: {cert_dir} is not passed to the sandbox (a directory is not "
+                                  "copied; SSL_CERT_FILE with one bundle is)")
     if config.get("client-cert"):
         found.withheld.append("pip's client-cert is not passed to the sandbox: it holds a private key")
     return found
@@ -126,6 +142,9 @@ def _sandbox_url(url: str, source: str, loopback_alias: str | None, withheld: li
         withheld.append(f"{source}: the index on {host} is not passed to the sandbox: its URL carries "
                         "credentials, which code in the sandbox could read")
         return None
+    if parts.scheme not in ("http", "https"):  # a directory of the host (file://) or a path
+        withheld.append(f"{source}: the index {url} is not passed: the sandbox cannot see the host's files")
+        return None
     if host not in LOOPBACK_HOSTS:
         return url
     if loopback_alias is None:
@@ -136,8 +155,9 @@ def _sandbox_url(url: str, source: str, loopback_alias: str | None, withheld: li
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def _copy_of(host_path: Path, variable: str, found: HostPipSettings) -> str | None:
-    """The sandbox path of the copy of the host's CA bundle (added to found.files), or None."""
+def _copy_of(host_path: Path, variable: str, found: HostPipSettings, shared_dirs: tuple[str, ...]) -> str | None:
+    """The sandbox path of the host's CA bundle: where the sandbox sees it already, else of
+    its copy (added to found.files); None if it is not passed."""
     try:
         with host_path.open("rb") as bundle:
             data = bundle.read(CA_BUNDLE_LIMIT + 1)
@@ -152,10 +172,17 @@ def _copy_of(host_path: Path, variable: str, found: HostPipSettings) -> str | No
     if b"PRIVATE KEY" in data:
         found.withheld.append(f"{variable}: {host_path} is not passed to the sandbox: it holds a private key")
         return None
+    resolved = os.path.realpath(host_path)
+    if _shared(resolved, shared_dirs):
+        return resolved  # e.g. the system's bundle: no upload at every sandbox's start
     # Named by content: the same bundle behind several variables is copied once.
     path = f"{SANDBOX_CA_DIR}/{hashlib.sha256(data).hexdigest()[:16]}.pem"
     found.files[path] = data
     return path
+
+
+def _shared(resolved: str, shared_dirs: tuple[str, ...]) -> bool:
+    return any(resolved == directory or resolved.startswith(directory + "/") for directory in shared_dirs)
 
 
 def pip_config_files(environ: Mapping[str, str]) -> list[Path]:

@@ -6,7 +6,6 @@ where the other environment's sandboxes are."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 

@@ -84,6 +84,32 @@ def test_ca_bundles_are_copied_once_and_keys_never(tmp_path: Path) -> None:
     assert b"MIIEsecret" not in repr(refused).encode()
 
 
+def test_a_bundle_the_sandbox_sees_already_is_named_where_it_is(tmp_path: Path) -> None:
+    shared = tmp_path / "etc-ssl"
+    shared.mkdir()
+    (shared / "bundle.crt").write_bytes(CERT)
+    (tmp_path / "link.pem").symlink_to(shared / "bundle.crt")
+    found = collect({"PIP_CERT": str(tmp_path / "link.pem"), "SSL_CERT_FILE": str(tmp_path / "link.pem")},
+                    [], ALIAS, shared_dirs=(str(shared),))
+    assert found.envs == {"PIP_CERT": str(shared / "bundle.crt"), "SSL_CERT_FILE": str(shared / "bundle.crt")}
+    assert found.files == {}
+    # a directory of certificates: named where the sandbox sees it, else not passed
+    assert collect({"SSL_CERT_DIR": str(shared)}, [], ALIAS, shared_dirs=(str(shared),)).envs == {
+        "SSL_CERT_DIR": str(shared)}
+    elsewhere = collect({"SSL_CERT_DIR": str(tmp_path)}, [], ALIAS, shared_dirs=(str(shared),))
+    assert elsewhere.envs == {} and elsewhere.withheld == [
+        f"SSL_CERT_DIR: {tmp_path} is not passed to the sandbox (a directory is not copied; "
+        "SSL_CERT_FILE with one bundle is)"]
+
+
+def test_an_index_in_a_host_directory_is_not_passed() -> None:
+    found = collect({"PIP_EXTRA_INDEX_URL": "file:///opt/wheels/simple https://mirror.corp.example/simple"},
+                    [], ALIAS)
+    assert found.envs == {"PIP_EXTRA_INDEX_URL": "https://mirror.corp.example/simple"}
+    assert found.withheld == ["PIP_EXTRA_INDEX_URL: the index file:///opt/wheels/simple is not passed: "
+                              "the sandbox cannot see the host's files"]
+
+
 def test_a_provider_that_cannot_reach_the_host_gets_no_loopback_index() -> None:
     found = collect({"PIP_INDEX_URL": "http://127.0.0.1:8000/simple"}, [], None)
     assert found.envs == {}
