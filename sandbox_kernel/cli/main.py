@@ -78,9 +78,9 @@ async def _list(settings: Settings) -> int:
     if settings.provider == "local":  # each Python environment has an engine of its own (service.py)
         from sandbox_kernel.local.service import other_engines
 
-        for environment, count in other_engines(state_dir()):
-            if count:
-                print(f"{count} more sandbox(es) run on the engine of another Python environment, "
+        for environment, sandboxes in other_engines(state_dir()):
+            if sandboxes:
+                print(f"{len(sandboxes)} more sandbox(es) run on the engine of another Python environment, "
                       f"{environment.prefix}: {environment.python} -m sandbox_kernel ls")
     return 0
 
@@ -112,10 +112,17 @@ async def _collect(settings: Settings, dry_run: bool) -> int:
         listed_at = time.time()
         views = names.live(await client.list_sandboxes())
         live = {sb.id: sb.name for sb in views}
+        # The records of sandboxes on the engines of other Python environments stay (service.py).
+        known = dict(live)
+        if settings.provider == "local":
+            from sandbox_kernel.local.service import other_engines
+
+            for _, sandboxes in other_engines(state_dir()):
+                known.update(sandboxes)
         # Warm pool members belong to no kernel: only those unclaimed for too long go.
         doomed = ([(sandbox_id, "orphaned", " (its kernel is gone)") for sandbox_id in ownership.orphaned(live)]
                   + [(sandbox_id, "stale warm pool member", "")
-                     for sandbox_id in pool.stale_members(list(live), listed_at)])
+                     for sandbox_id in pool.stale_members(list(known), listed_at) if sandbox_id in live])
         for sandbox_id, what, why in doomed:
             if dry_run:
                 print(f"{sandbox_id}: {what}{why}; would destroy")
@@ -125,7 +132,7 @@ async def _collect(settings: Settings, dry_run: bool) -> int:
             pool.forget(sandbox_id)
             print(f"{sandbox_id}: {what}, {result.status.value}")
         if not dry_run:
-            ownership.tidy(live)
+            ownership.tidy(known)
     if not doomed:
         print(f"no orphaned sandboxes on {settings.description}")
     return 0

@@ -149,9 +149,10 @@ def _unrecorded_engine_environment(directory: Path) -> PythonEnvironment | None:
     return PythonEnvironment(prefix=os.path.realpath(os.path.dirname(os.path.dirname(python))), python=python)
 
 
-def other_engines(state_dir: Path) -> list[tuple[PythonEnvironment, int]]:
-    """The engines of state_dir that serve other Python environments than this one, with
-    how many live sandboxes each holds (a listing says where they are)."""
+def other_engines(state_dir: Path) -> list[tuple[PythonEnvironment, dict[str, str | None]]]:
+    """The engines of state_dir that serve other Python environments than this one, each
+    with its live sandboxes (id -> name, from their records): a listing says where they are,
+    and gc keeps the ownership records of them."""
     from sandbox_kernel.local.registry import load
 
     me = PythonEnvironment.current()
@@ -160,8 +161,8 @@ def other_engines(state_dir: Path) -> list[tuple[PythonEnvironment, int]]:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             data = json.loads((directory / ENVIRONMENT_FILE).read_text())
             if data["prefix"] != me.prefix:
-                found.append((PythonEnvironment(prefix=data["prefix"], python=data["python"]),
-                              len(load(directory / "sandboxes"))))
+                sandboxes = {record["id"]: record.get("name") for record in load(directory / "sandboxes")}
+                found.append((PythonEnvironment(prefix=data["prefix"], python=data["python"]), sandboxes))
     return found
 
 

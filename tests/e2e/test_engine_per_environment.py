@@ -2,7 +2,7 @@
 environments, a kernel from each, one state dir. Each kernel's sandboxes see its own
 environment's packages (a module installed only in it), never the other's; `sandbox-kernel
 ls` and `serve --stop` run from an environment reach that environment's engine, and ls says
-where the other environment's sandboxes are."""
+where the other environment's sandboxes are; gc from one leaves the other's alone."""
 
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ def test_each_environment_has_its_engine_and_its_sandboxes_see_its_packages(
                 assert ids[name] in listed.stdout and ids[other] not in listed.stdout, listed.stdout
                 assert (f"1 more sandbox(es) run on the engine of another Python environment, "
                         f"{tmp_path / f'env-{other}'}: {pythons[other]} -m sandbox_kernel ls") in listed.stdout
+            # gc from one environment leaves the other's sandboxes their owner (no orphan here)
+            assert sandbox_kernel(pythons["a"], "gc").stdout == "no orphaned sandboxes on the local engine\n"
+            listed = sandbox_kernel(pythons["b"], "ls").stdout.splitlines()
+            assert "owner: kernel " in next(line for line in listed if line.startswith(ids["b"])), listed
     finally:
         stopped = {name: sandbox_kernel(python, "serve", "--stop").stdout for name, python in pythons.items()}
     assert stopped == {name: "local engine stopped; its sandboxes keep running for the next one\n"
