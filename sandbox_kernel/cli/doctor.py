@@ -166,6 +166,9 @@ def installed_version(distribution: str) -> str | None:
 def frontend_lines() -> list[str]:
     """This environment, where JupyterLab and the kernel run when started from it."""
     lines = []
+    if installed_version("jupyterlab") is None:
+        lines.append("- jupyterlab is not installed here: the frontends below count where JupyterLab runs; "
+                     "install them there (or JupyterLab here)")
     for package in TOUR_PACKAGES:
         if package.frontend is None:
             continue

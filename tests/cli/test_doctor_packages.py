@@ -2,8 +2,8 @@
 JupyterLab and the kernel run from, and inside a real sandbox (what notebooks import), one
 line each with the command that fixes it; and it says which environment the sandboxes see.
 
-The environment here links to the test environment's packages but two (the frontends of
-widgets and of the usage panel); its sandboxes see none of the linked ones (the links lead
+The environment here links to the test environment's packages but JupyterLab's and the
+frontends of widgets and of the usage panel; its sandboxes see none of the linked ones (the links lead
 into an environment they do not see): the two sides disagree, and each line says its own.
 """
 
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_doctor_checks_each_side_for_itself(tmp_path: Path) -> None:
-    python = linked_venv(tmp_path / "env", without=("jupyterlab_widgets", "jupyter_resource_usage"))
+    # without JupyterLab either (jupyterlab, jupyterlab_widgets, jupyterlab_server...)
+    python = linked_venv(tmp_path / "env", without=("jupyterlab", "jupyter_resource_usage"))
     env = {**os.environ, "SANDBOX_KERNEL_STATE_DIR": str(tmp_path / "state")}
     try:
         done = subprocess.run([python, "-m", "sandbox_kernel", "doctor"], env=env, capture_output=True,
@@ -35,7 +36,9 @@ def test_doctor_checks_each_side_for_itself(tmp_path: Path) -> None:
     # this environment: the two frontends are missing, nothing else is looked for
     frontend = lines[lines.index(f"the tour's packages in this environment (JupyterLab's and the kernel's, "
                                  f"{tmp_path / 'env'}):") + 1:]
-    assert frontend[:2] == [
+    assert frontend[:3] == [
+        "  - jupyterlab is not installed here: the frontends below count where JupyterLab runs; "
+        "install them there (or JupyterLab here)",
         f"  ✗ jupyterlab_widgets not installed: JupyterLab shows widgets and tqdm's notebook bars as text; "
         f"{fix} ipywidgets",
         f"  ✗ jupyter-resource-usage not installed: JupyterLab has no kernel usage panel; {fix} jupyter-resource-usage"]
