@@ -122,7 +122,7 @@ def environment_of(directory: Path, claim: PythonEnvironment | None = None) -> s
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     # An engine of an earlier version records no environment: the one it runs in owns the dir.
     owner = _unrecorded_engine_environment(directory) or claim
-    tmp = directory / f"{ENVIRONMENT_FILE}.{os.getpid()}.tmp"
+    tmp = directory / f"{ENVIRONMENT_FILE}.{secrets.token_hex(8)}.tmp"  # one per claim, threads included
     write_private(tmp, json.dumps({"prefix": owner.prefix, "python": owner.python}))
     try:
         os.link(tmp, path)  # fails if another claim came first: its answer stands
