@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from cli_helpers import cli
 from linked_venv import linked_venv
+from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +56,15 @@ def test_doctor_checks_each_side_for_itself(tmp_path: Path) -> None:
           f"(or %pip install {name} in a notebook, for its sandbox only)"
           for name, use in (("ipywidgets", "widgets, and tqdm's notebook bars"), ("tqdm", "progress bars"),
                             ("debugpy", "the debugger")))]
+
+
+def test_doctor_asks_a_createos_sandbox_too(engine: EngineEndpoint) -> None:
+    """Through the CreateOS code path (the local engine answering it): the sandbox's own
+    Python is asked, whatever it is, and a fix is a `%pip install` in the notebook."""
+    done = cli("doctor", CREATEOS_SANDBOX_BASE_URL=engine.url, CREATEOS_SANDBOX_API_KEY=engine.token)
+    lines = done.stdout.splitlines()
+    sandbox = lines[lines.index("the tour's packages inside a sandbox (what notebooks import; "
+                                "a throw-away sandbox is asked):") + 1:]
+    assert sandbox[0] == f"  sandboxes see the Python environment {os.path.realpath(sys.prefix)} (the rootfs's)"
+    assert [line.split()[:2] for line in sandbox[1:]] == [["✓", "ipywidgets"], ["✓", "tqdm"], ["✓", "debugpy"]]
+    assert engine.token not in done.stdout + done.stderr
