@@ -226,6 +226,42 @@ def sandbox_lines(settings: Settings) -> list[str]:
     return lines
 
 
+def kernelspec_line(name: str = "sandbox") -> str:
+    """Which Python the installed kernelspec starts: its sandboxes see that environment
+    (local engine), which may not be this one."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        spec = KernelSpecManager().get_kernel_spec(name)
+    except NoSuchKernel:
+        return f"- no {name!r} kernelspec installed: {sys.executable} -m sandbox_kernel install --user"
+    python = spec.argv[0]
+    reinstall = (f"{sys.executable} -m sandbox_kernel install {_where_installed(Path(spec.resource_dir))}"
+                 + ("" if name == "sandbox" else f" --name {name}"))
+    try:
+        prefix = subprocess.run([python, "-c", "import sys; print(sys.prefix)"], capture_output=True,
+                                text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"✗ the {name!r} kernelspec ({spec.resource_dir}) starts {python}, which does not run: {reinstall}"
+    if os.path.realpath(prefix) == os.path.realpath(sys.prefix):
+        return f"✓ the {name!r} kernelspec ({spec.resource_dir}) starts this environment's Python"
+    return (f"✗ the {name!r} kernelspec ({spec.resource_dir}) starts {python}: its notebooks see the packages "
+            f"of {prefix}, not of this environment; {reinstall} makes it start this one "
+            f"(or run {python} -m sandbox_kernel doctor)")
+
+
+def _where_installed(resource_dir: Path) -> str:
+    """The `install` option that writes the kernelspec where it was found (a spec found
+    first shadows the same name elsewhere)."""
+    from jupyter_core.paths import jupyter_data_dir
+
+    if resource_dir.parent.parent == Path(jupyter_data_dir()):
+        return "--user"
+    if resource_dir.parent.parent == Path(sys.prefix) / "share" / "jupyter":
+        return "--sys-prefix"
+    return f"--prefix {resource_dir.parents[3]}"  # <prefix>/share/jupyter/kernels/<name>
+
+
 def report() -> tuple[bool, list[str]]:
     lines = [f"sandbox-kernel doctor — {platform.system()} {platform.release()}, "
              f"Python {platform.python_version()} ({sys.executable})"]
@@ -296,6 +332,7 @@ def report() -> tuple[bool, list[str]]:
 
     lines.append("")
     lines.append(f"the tour's packages in this environment (JupyterLab's and the kernel's, {sys.prefix}):")
+    lines.append("  " + kernelspec_line())
     lines.extend("  " + line for line in frontend_lines())
     if settings is not None:
         lines.append("")

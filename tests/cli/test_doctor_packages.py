@@ -18,6 +18,7 @@ import pytest
 
 from cli_helpers import cli
 from linked_venv import linked_venv
+from sandbox_kernel.cli.doctor import kernelspec_line
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,11 @@ pytestmark = pytest.mark.slow
 def test_doctor_checks_each_side_for_itself(tmp_path: Path) -> None:
     # without JupyterLab either (jupyterlab, jupyterlab_widgets, jupyterlab_server...)
     python = linked_venv(tmp_path / "env", without=("jupyterlab", "jupyter_resource_usage"))
-    env = {**os.environ, "SANDBOX_KERNEL_STATE_DIR": str(tmp_path / "state")}
+    # the 'sandbox' kernelspec, installed from the test environment: another one than the doctor's
+    jupyter = tmp_path / "jupyter"
+    cli("install", "--prefix", str(jupyter)).check_returncode()
+    env = {**os.environ, "SANDBOX_KERNEL_STATE_DIR": str(tmp_path / "state"),
+           "JUPYTER_PATH": str(jupyter / "share" / "jupyter"), "JUPYTER_DATA_DIR": str(tmp_path / "data")}
     try:
         done = subprocess.run([python, "-m", "sandbox_kernel", "doctor"], env=env, capture_output=True,
                               text=True, timeout=120)
@@ -36,10 +41,15 @@ def test_doctor_checks_each_side_for_itself(tmp_path: Path) -> None:
     fix = f"fix: {python} -m pip install"
     assert done.returncode == 0, done.stdout + done.stderr  # isolation holds: packages do not fail it
 
-    # this environment: the two frontends are missing, nothing else is looked for
+    # this environment: the kernelspec starts another Python; the two frontends are missing,
+    # nothing else is looked for
     frontend = lines[lines.index(f"the tour's packages in this environment (JupyterLab's and the kernel's, "
                                  f"{tmp_path / 'env'}):") + 1:]
-    assert frontend[:3] == [
+    assert frontend[:4] == [
+        f"  ✗ the 'sandbox' kernelspec ({jupyter / 'share' / 'jupyter' / 'kernels' / 'sandbox'}) starts "
+        f"{sys.executable}: its notebooks see the packages of {sys.prefix}, not of this environment; "
+        f"{python} -m sandbox_kernel install --prefix {jupyter} makes it start this one "
+        f"(or run {sys.executable} -m sandbox_kernel doctor)",
         "  - jupyterlab is not installed here: the frontends below count where JupyterLab runs; "
         "install them there (or JupyterLab here)",
         f"  ✗ jupyterlab_widgets not installed: JupyterLab shows widgets and tqdm's notebook bars as text; "
@@ -68,3 +78,12 @@ def test_doctor_asks_a_createos_sandbox_too(engine: EngineEndpoint) -> None:
     assert sandbox[0] == f"  sandboxes see the Python environment {os.path.realpath(sys.prefix)} (the rootfs's)"
     assert [line.split()[:2] for line in sandbox[1:]] == [["✓", "ipywidgets"], ["✓", "tqdm"], ["✓", "debugpy"]]
     assert engine.token not in done.stdout + done.stderr
+
+
+def test_doctor_says_which_python_the_kernelspec_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
+    assert kernelspec_line() == f"- no 'sandbox' kernelspec installed: {sys.executable} -m sandbox_kernel install --user"
+    cli("install", "--prefix", str(tmp_path)).check_returncode()
+    assert kernelspec_line() == (f"✓ the 'sandbox' kernelspec ({tmp_path / 'share' / 'jupyter' / 'kernels' / 'sandbox'}) "
+                                 "starts this environment's Python")
