@@ -12,6 +12,7 @@ with no environment variables of their own (names.fork_envs says so, one line).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from sandbox_kernel.api import SandboxStatus, SandboxView
 
@@ -45,17 +46,23 @@ def display_name(view: SandboxView) -> str:
     return (names_of(view) or ["-"])[0]
 
 
-def fork_envs(source: SandboxView, name: str | None) -> dict[str, str] | None:
+def fork_envs(source: SandboxView, name: str | None,
+              known: Mapping[str, str] | None = None) -> dict[str, str] | None:
     """The envs to send with a fork of `source`: None inherits the source's, a dict
-    replaces them. The source's own name marker never passes to an unnamed fork."""
+    replaces them. The source's own name marker never passes to an unnamed fork. `known`:
+    values of the source's envs the caller can give again (a view has only their names),
+    which a named fork keeps."""
+    known = known or {}
     own_envs = [env for env in source.envs or [] if not env.startswith(NAME_ENV)]
+    marked = len(own_envs) < len(source.envs or [])
+    given = {env: known[env] for env in own_envs if env in known}
     if name is None:
-        return {} if source.envs and not own_envs else None
-    if own_envs:
+        return given if marked and len(given) == len(own_envs) else None
+    if len(given) < len(own_envs):
         raise SandboxNameError(f"cannot name a fork of {source.id}: it has environment variables "
-                         f"({', '.join(own_envs)}) that a named fork would lose (a fork takes a name "
-                         "only through its env vars); fork without --name")
-    return {env_for(name): name}
+                         f"({', '.join(env for env in own_envs if env not in given)}) that a named fork "
+                         "would lose (a fork takes a name only through its env vars); fork without --name")
+    return {**given, env_for(name): name}
 
 
 def live(views: list[SandboxView]) -> list[SandboxView]:

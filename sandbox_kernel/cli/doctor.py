@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
+import json
 import os
 import platform
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from sandbox_kernel.config import DEFAULT_SHAPE, ConfigError, Settings
@@ -118,13 +120,146 @@ def probe_createos(settings: Settings) -> tuple[bool, str]:
     return True, f"  ✓ {settings.base_url}: reachable, the key is accepted ({count} sandbox(es))"
 
 
-def usage_panel_line() -> str:
-    """JupyterLab's kernel usage panel (the sandbox's CPU and memory) comes with a package
-    of its own, which a first hour does not know it needs."""
-    if importlib.util.find_spec("jupyter_resource_usage") is not None:
-        return "✓ jupyter-resource-usage: JupyterLab's kernel usage panel shows the sandbox's CPU and memory"
-    return ("- jupyter-resource-usage not installed: for JupyterLab's kernel usage panel, "
-            "pip install jupyter-resource-usage")
+@dataclass(frozen=True)
+class TourPackage:
+    """A package the tour's steps use (pyproject's `examples` extra), checked where it is
+    needed: `frontend` in this environment (JupyterLab's and the kernel's: a widget's
+    frontend is a package of its own), `distribution` inside a sandbox (what notebooks import)."""
+
+    distribution: str  # what pip installs
+    use: str
+    frontend: str | None = None  # the distribution JupyterLab's side needs, if any
+    without_frontend: str = ""  # what JupyterLab does without it
+    in_sandbox: bool = True
+
+
+TOUR_PACKAGES = (
+    TourPackage("ipywidgets", "widgets, and tqdm's notebook bars", frontend="jupyterlab_widgets",
+                without_frontend="JupyterLab shows widgets and tqdm's notebook bars as text"),
+    TourPackage("tqdm", "progress bars"),
+    # The kernel answers the panel's requests itself: nothing of it runs in the sandbox.
+    TourPackage("jupyter-resource-usage", "the kernel usage panel", frontend="jupyter-resource-usage",
+                without_frontend="JupyterLab has no kernel usage panel", in_sandbox=False),
+    # JupyterLab's debugger is built in; the kernel drives debugpy in the sandbox (runner_debug.py).
+    TourPackage("debugpy", "the debugger"),
+)
+
+# Run by a sandbox's python3: the versions of the tour's packages it sees, and its prefix.
+SANDBOX_PROBE = """
+import importlib.metadata, json, sys
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+print(json.dumps({"prefix": sys.prefix, "versions": {name: version(name) for name in sys.argv[1:]}}))
+"""
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def frontend_lines() -> list[str]:
+    """This environment, where JupyterLab and the kernel run when started from it."""
+    lines = []
+    if installed_version("jupyterlab") is None:
+        lines.append("- jupyterlab is not installed here: the frontends below count where JupyterLab runs; "
+                     "install them there (or JupyterLab here)")
+    for package in TOUR_PACKAGES:
+        if package.frontend is None:
+            continue
+        found = installed_version(package.frontend)
+        if found:
+            lines.append(f"✓ {package.frontend} {found}: {package.use} in JupyterLab")
+        else:
+            lines.append(f"✗ {package.frontend} not installed: {package.without_frontend}; "
+                         f"fix: {sys.executable} -m pip install {package.distribution}")
+    return lines
+
+
+def sandbox_lines(settings: Settings) -> list[str]:
+    """What a notebook's code imports: asked of a throw-away sandbox of the provider."""
+    import asyncio
+
+    from sandbox_kernel.api import CreateSandboxRequest, SandboxAPIError
+    from sandbox_kernel.config import open_client
+
+    wanted = [package for package in TOUR_PACKAGES if package.in_sandbox]
+
+    async def probe() -> dict[str, object]:
+        async with await open_client(settings) as client:
+            created = await client.create_sandbox(CreateSandboxRequest(shape=settings.shape, rootfs=settings.rootfs))
+            try:
+                response = await client.exec(created.id, "python3", ["-c", SANDBOX_PROBE, *(p.distribution for p in wanted)])
+            finally:
+                await client.delete_sandbox(created.id)
+        if response.result.exit_code != 0:
+            raise RuntimeError((response.result.stderr.strip().splitlines() or ["python3 failed"])[-1])
+        return json.loads(response.result.stdout)
+
+    try:
+        seen = asyncio.run(probe())
+    except (SandboxAPIError, OSError, RuntimeError, ValueError) as exc:
+        message = exc.user_message() if isinstance(exc, SandboxAPIError) else str(exc)
+        return [f"✗ could not look inside a sandbox: {message}"]
+    versions = seen["versions"]
+    assert isinstance(versions, dict)
+    local = settings.provider == "local"
+    lines = [f"sandboxes see the Python environment {seen['prefix']}"
+             + (" (this one, read-only)" if local else " (the rootfs's)")]
+    if local and os.path.realpath(str(seen["prefix"])) != os.path.realpath(sys.prefix):
+        lines.append(f"✗ that is not this environment ({sys.prefix}): packages installed here do not reach them")
+    for package in wanted:
+        if found := versions.get(package.distribution):
+            lines.append(f"✓ {package.distribution} {found}: {package.use}")
+        elif local:
+            lines.append(f"✗ {package.distribution} not installed: notebooks cannot import it ({package.use}); "
+                         f"fix: {sys.executable} -m pip install {package.distribution} (or %pip install "
+                         f"{package.distribution} in a notebook, for its sandbox only)")
+        else:
+            lines.append(f"✗ {package.distribution} not in the sandbox's rootfs: notebooks cannot import it "
+                         f"({package.use}); fix: %pip install {package.distribution} in a notebook")
+    return lines
+
+
+def kernelspec_line(name: str = "sandbox") -> str:
+    """Which Python the installed kernelspec starts: its sandboxes see that environment
+    (local engine), which may not be this one."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        spec = KernelSpecManager().get_kernel_spec(name)
+    except NoSuchKernel:
+        return f"- no {name!r} kernelspec installed: {sys.executable} -m sandbox_kernel install --user"
+    python = spec.argv[0]
+    reinstall = (f"{sys.executable} -m sandbox_kernel install {_where_installed(Path(spec.resource_dir))}"
+                 + ("" if name == "sandbox" else f" --name {name}"))
+    try:
+        prefix = subprocess.run([python, "-c", "import sys; print(sys.prefix)"], capture_output=True,
+                                text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"✗ the {name!r} kernelspec ({spec.resource_dir}) starts {python}, which does not run: {reinstall}"
+    if os.path.realpath(prefix) == os.path.realpath(sys.prefix):
+        return f"✓ the {name!r} kernelspec ({spec.resource_dir}) starts this environment's Python"
+    return (f"✗ the {name!r} kernelspec ({spec.resource_dir}) starts {python}: its notebooks see the packages "
+            f"of {prefix}, not of this environment; {reinstall} makes it start this one "
+            f"(or run {python} -m sandbox_kernel doctor)")
+
+
+def _where_installed(resource_dir: Path) -> str:
+    """The `install` option that writes the kernelspec where it was found (a spec found
+    first shadows the same name elsewhere)."""
+    from jupyter_core.paths import jupyter_data_dir
+
+    if resource_dir.parent.parent == Path(jupyter_data_dir()):
+        return "--user"
+    if resource_dir.parent.parent == Path(sys.prefix) / "share" / "jupyter":
+        return "--sys-prefix"
+    return f"--prefix {resource_dir.parents[3]}"  # <prefix>/share/jupyter/kernels/<name>
 
 
 def report() -> tuple[bool, list[str]]:
@@ -132,6 +267,7 @@ def report() -> tuple[bool, list[str]]:
              f"Python {platform.python_version()} ({sys.executable})"]
     ok = True
     shape = DEFAULT_SHAPE
+    settings: Settings | None = None  # a provider a sandbox can be asked of, once known
     try:
         settings = Settings.from_env()
         shape = settings.shape
@@ -141,6 +277,7 @@ def report() -> tuple[bool, list[str]]:
             reached, line = probe_createos(settings)
             ok = ok and reached
             lines.append(line)
+            settings = settings if reached else None
     except ConfigError as exc:
         ok = False
         lines.append(f"provider: misconfigured: {exc}")
@@ -172,6 +309,7 @@ def report() -> tuple[bool, list[str]]:
                      "changes fail with EPERM (see sandbox_kernel/local/seccomp.py)")
     else:
         ok = False
+        settings = settings if settings and settings.provider == "createos" else None
         lines.append(f"  ✗ a test sandbox failed: {detail}")
         lines.append("    unprivileged user namespaces may be disabled "
                      "(sysctl kernel.unprivileged_userns_clone=1, or user.max_user_namespaces > 0)")
@@ -180,23 +318,24 @@ def report() -> tuple[bool, list[str]]:
     lines.append("  " + fork_line())
     lines.append("  " + limits_line(shape))
 
-    lines.append("")
-    lines.append("sandbox Python (the engine's environment, shared read-only):")
-    for module in ("IPython", "matplotlib", "matplotlib_inline"):
-        found = importlib.util.find_spec(module) is not None
-        lines.append(f"  {'✓' if found else '-'} {module}{'' if found else ' not installed'}")
+    from sandbox_kernel.local.service import engine_dir, read_endpoint
 
-    lines.append("")
-    lines.append("frontend extras (this environment):")
-    lines.append("  " + usage_panel_line())
-
-    from sandbox_kernel.local.service import read_endpoint
-
-    endpoint = read_endpoint(state_dir())
+    # Before a sandbox is asked: that starts the engine.
+    where = engine_dir(state_dir())
+    endpoint = read_endpoint(where)
     lines.append("")
     if endpoint:
-        lines.append(f"engine: running (pid {endpoint.pid}) at {endpoint.url}"
+        lines.append(f"engine of this environment: running (pid {endpoint.pid}) at {endpoint.url}"
                      + (f" and {endpoint.socket}" if endpoint.socket else ""))
     else:
-        lines.append("engine: not running (a kernel starts it on demand)")
+        lines.append(f"engine of this environment: not running (a kernel starts it on demand, in {where})")
+
+    lines.append("")
+    lines.append(f"the tour's packages in this environment (JupyterLab's and the kernel's, {sys.prefix}):")
+    lines.append("  " + kernelspec_line())
+    lines.extend("  " + line for line in frontend_lines())
+    if settings is not None:
+        lines.append("")
+        lines.append("the tour's packages inside a sandbox (what notebooks import; a throw-away sandbox is asked):")
+        lines.extend("  " + line for line in sandbox_lines(settings))
     return ok, lines

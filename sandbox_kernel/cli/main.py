@@ -15,18 +15,18 @@ from sandbox_kernel.paths import state_dir
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from sandbox_kernel.local.service import serve, stop_engine
+    from sandbox_kernel.local.service import engine_dir, serve, stop_engine
 
+    # Without --state-dir: the engine of this Python environment, as a kernel from it uses.
+    where = args.state_dir or engine_dir(state_dir())
     if args.stop:
-        where = args.state_dir or state_dir()
         print("local engine stopped; its sandboxes keep running for the next one"
               if stop_engine(where) else f"no local engine running for {where}")
         return 0
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        asyncio.run(serve(args.state_dir or state_dir(), host=args.host, port=args.port,
-                          idle_timeout=args.idle_timeout))
+        asyncio.run(serve(where, host=args.host, port=args.port, idle_timeout=args.idle_timeout))
     except KeyboardInterrupt:
         pass
     return 0
@@ -75,6 +75,13 @@ async def _list(settings: Settings) -> int:
         owner = "warm pool" if sb.id in pooled else ownership.describe_owner(sb.id, sb.name)
         print(f"{sb.id}  {names.display_name(sb):<24} {sb.status.value:<10} {sb.shape or '-':<14} "
               f"{describe_age(sb.created_at):<10} ${meter.cost(sb.id).total:<8.4f} owner: {owner}")
+    if settings.provider == "local":  # each Python environment has an engine of its own (service.py)
+        from sandbox_kernel.local.service import other_engines
+
+        for environment, sandboxes in other_engines(state_dir()):
+            if sandboxes:
+                print(f"{len(sandboxes)} more sandbox(es) run on the engine of another Python environment, "
+                      f"{environment.prefix}: {environment.python} -m sandbox_kernel ls")
     return 0
 
 
@@ -105,10 +112,17 @@ async def _collect(settings: Settings, dry_run: bool) -> int:
         listed_at = time.time()
         views = names.live(await client.list_sandboxes())
         live = {sb.id: sb.name for sb in views}
+        # The records of sandboxes on the engines of other Python environments stay (service.py).
+        known = dict(live)
+        if settings.provider == "local":
+            from sandbox_kernel.local.service import other_engines
+
+            for _, sandboxes in other_engines(state_dir()):
+                known.update(sandboxes)
         # Warm pool members belong to no kernel: only those unclaimed for too long go.
         doomed = ([(sandbox_id, "orphaned", " (its kernel is gone)") for sandbox_id in ownership.orphaned(live)]
                   + [(sandbox_id, "stale warm pool member", "")
-                     for sandbox_id in pool.stale_members(list(live), listed_at)])
+                     for sandbox_id in pool.stale_members(list(known), listed_at) if sandbox_id in live])
         for sandbox_id, what, why in doomed:
             if dry_run:
                 print(f"{sandbox_id}: {what}{why}; would destroy")
@@ -118,7 +132,7 @@ async def _collect(settings: Settings, dry_run: bool) -> int:
             pool.forget(sandbox_id)
             print(f"{sandbox_id}: {what}, {result.status.value}")
         if not dry_run:
-            ownership.tidy(live)
+            ownership.tidy(known)
     if not doomed:
         print(f"no orphaned sandboxes on {settings.description}")
     return 0

@@ -2,7 +2,14 @@
 
 One engine per state directory, for its whole life (engine_lock.py). It listens on a
 unix socket (state_dir/engine.sock, 0600) and on a random loopback port, and writes where
-in state_dir/engine.json. Its token lives in state_dir/token (0600); every route but the
+in state_dir/engine.json.
+
+An engine serves one Python environment: its sandboxes see the engine's own environment
+(read-only), so a package installed in another one would never reach them. The first
+environment to use a state dir owns its engine (state_dir/environment.json says which);
+every other environment's engine lives in state_dir/engines/<name>-<hash> (engine_dir).
+A kernel, and `sandbox-kernel ls/rm/gc/serve`, reach the engine of the environment they
+run in. Its token lives in state_dir/token (0600); every route but the
 public ones needs it in `X-Api-Key`, exactly as CreateOS needs its key. An engine started
 on demand exits after an idle period with no sandboxes.
 """
@@ -12,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -37,6 +45,8 @@ ENGINE_FILE = "engine.json"
 TOKEN_FILE = "token"
 SOCKET_FILE = "engine.sock"
 LOG_FILE = "engine.log"  # size-rotated by the engine itself (engine_log.py)
+ENVIRONMENT_FILE = "environment.json"  # the Python environment this dir's engine serves
+ENGINES_DIR = "engines"  # the engines of the other environments, one dir each
 START_TIMEOUT = 30.0  # for a new engine to take the state dir's lock
 ENGINE_WAIT = 60.0  # for a live engine to answer, before a kernel gives up (it never starts a second)
 SUN_PATH_MAX = 107
@@ -64,6 +74,98 @@ def load_or_create_token(state_dir: Path) -> str:
     return token
 
 
+@dataclass(frozen=True)
+class PythonEnvironment:
+    """A Python environment, as its engine's sandboxes see it: its prefix (resolved: two
+    spellings of one venv are one environment) and the interpreter that runs it."""
+
+    prefix: str
+    python: str
+
+    @classmethod
+    def current(cls) -> PythonEnvironment:
+        return cls(prefix=os.path.realpath(sys.prefix), python=sys.executable)
+
+    @property
+    def key(self) -> str:
+        """Its engine's dir name under state_dir/engines: readable, and unique per prefix."""
+        digest = hashlib.sha256(self.prefix.encode()).hexdigest()[:10]
+        name = "".join(c if c.isalnum() or c in "._-" else "_" for c in Path(self.prefix).name)[:24]
+        return f"{name}-{digest}"
+
+
+class OtherEnvironment(RuntimeError):
+    """The dir's engine serves another Python environment than this process's."""
+
+
+def engine_dir(state_dir: Path, environment: PythonEnvironment | None = None) -> Path:
+    """The dir of the engine that serves `environment` (this process's by default):
+    state_dir itself if that environment owns it (or is the first to ask), else
+    state_dir/engines/<key>. An environment's dir never changes, so its sandboxes stay
+    where its kernels and `sandbox-kernel ls` look for them."""
+    environment = environment or PythonEnvironment.current()
+    if environment_of(state_dir, claim=environment) == environment.prefix:
+        return state_dir
+    own = state_dir / ENGINES_DIR / environment.key
+    environment_of(own, claim=environment)
+    return own
+
+
+def environment_of(directory: Path, claim: PythonEnvironment | None = None) -> str | None:
+    """The prefix of the environment whose engine `directory` holds; an unclaimed dir is
+    claimed for `claim` (atomically: of two environments asking at once, one wins)."""
+    path = directory / ENVIRONMENT_FILE
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
+        return str(json.loads(path.read_text())["prefix"])
+    if claim is None:
+        return None
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # An engine of an earlier version records no environment: the one it runs in owns the dir.
+    owner = _unrecorded_engine_environment(directory) or claim
+    tmp = directory / f"{ENVIRONMENT_FILE}.{secrets.token_hex(8)}.tmp"  # one per claim, threads included
+    write_private(tmp, json.dumps({"prefix": owner.prefix, "python": owner.python}))
+    try:
+        os.link(tmp, path)  # fails if another claim came first: its answer stands
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return environment_of(directory)
+
+
+def _unrecorded_engine_environment(directory: Path) -> PythonEnvironment | None:
+    """The environment of a live engine serving `directory` that recorded none (started by
+    an earlier version), from the interpreter it was started with (`python -m sandbox_kernel
+    serve`: the interpreter's dir is the environment's bin/)."""
+    serving = serving_engine(directory)
+    if serving is None or serving.pid == os.getpid():
+        return None
+    try:
+        python = Path(f"/proc/{serving.pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not os.path.isabs(python):
+        return None
+    return PythonEnvironment(prefix=os.path.realpath(os.path.dirname(os.path.dirname(python))), python=python)
+
+
+def other_engines(state_dir: Path) -> list[tuple[PythonEnvironment, dict[str, str | None]]]:
+    """The engines of state_dir that serve other Python environments than this one, each
+    with its live sandboxes (id -> name, from their records): a listing says where they are,
+    and gc keeps the ownership records of them."""
+    from sandbox_kernel.local.registry import load
+
+    me = PythonEnvironment.current()
+    found = []
+    for directory in [state_dir, *sorted((state_dir / ENGINES_DIR).glob("*"))]:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            data = json.loads((directory / ENVIRONMENT_FILE).read_text())
+            if data["prefix"] != me.prefix:
+                sandboxes = {record["id"]: record.get("name") for record in load(directory / "sandboxes")}
+                found.append((PythonEnvironment(prefix=data["prefix"], python=data["python"]), sandboxes))
+    return found
+
+
 def read_endpoint(state_dir: Path) -> EngineEndpoint | None:
     """The engine serving state_dir (engine_lock.py), if it answers /healthz."""
     try:
@@ -85,12 +187,14 @@ def read_endpoint(state_dir: Path) -> EngineEndpoint | None:
 
 
 def ensure_engine(state_dir: Path, idle_timeout: float = 600.0) -> EngineEndpoint:
-    """Return the engine serving state_dir, starting one in the background if none lives.
+    """Return the engine of state_dir that serves this Python environment (engine_dir),
+    starting one in the background if none lives.
 
     An engine that is alive (engine_lock.py) but does not answer yet (stopped, busy,
     taking sandboxes over) is waited for, never replaced, up to ENGINE_WAIT: a second
     engine would take the first one's sandboxes from under it.
     """
+    state_dir = engine_dir(state_dir)
     deadline = time.monotonic() + ENGINE_WAIT
     while (endpoint := read_endpoint(state_dir)) is None:
         serving = serving_engine(state_dir)
@@ -241,6 +345,13 @@ async def serve(state_dir: Path, host: str = "127.0.0.1", port: int = 0,
     # Everything the engine creates (sandbox dirs, logs, disk images) is its user's alone.
     # (The agent sets the usual 022 again for the sandbox's own files.)
     os.umask(0o077)
+    # Its sandboxes will see this process's Python environment: a dir whose sandboxes saw
+    # another one is not served (ensure_engine never asks for it; `serve --state-dir` may).
+    me = PythonEnvironment.current()
+    if (owner := environment_of(state_dir, claim=me)) != me.prefix:
+        raise OtherEnvironment(f"{state_dir} holds the engine of the Python environment {owner}, not of this "
+                               f"one ({me.prefix}), whose packages its sandboxes would not see; serve another "
+                               "--state-dir, or none (each environment then gets an engine of its own)")
     # Before anything an earlier engine left is looked at; held until this process ends,
     # past the removal of its socket and address below (which a successor would have
     # remade). `serve --state-dir NEW` makes the dir.

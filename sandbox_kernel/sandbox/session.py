@@ -37,7 +37,7 @@ from sandbox_kernel.api import (
 )
 from sandbox_kernel.config import SHUTDOWN_POLICIES, Settings, open_client
 from sandbox_kernel.guest import runner_bundle, runner_protocol as protocol
-from sandbox_kernel.sandbox import ownership, pool, runner_setup, shutdown_policy
+from sandbox_kernel.sandbox import host_pip_settings, ownership, pool, runner_setup, shutdown_policy
 from sandbox_kernel.sandbox.cost import Cost, Meter
 from sandbox_kernel.sandbox.errors import RunnerDied, SessionError
 from sandbox_kernel.sandbox.runner_link import RunnerLink
@@ -166,11 +166,12 @@ class SandboxSession:
         # trace that shutdown and `gc` can follow to the sandbox (ownership.creating).
         name = self.settings.name or f"notebook-{secrets.token_hex(4)}"
         ownership.creating(name)
+        host_pip = host_pip_settings.for_sandbox(self.settings)  # the host's index and CA bundle, no credential
         try:
             created = await client.create_sandbox(
                 CreateSandboxRequest(shape=self.settings.shape, rootfs=self.settings.rootfs, name=name,
                                      egress=self.settings.egress, disk_mib=self.settings.disk_mib,
-                                     envs=self.settings.sandbox_env,
+                                     envs=self._sandbox_envs(host_pip) or None,
                                      auto_pause_after_seconds=self.settings.auto_pause))
         except SandboxAPIError as exc:
             if exc.status_code is not None and exc.status_code < 500:  # refused: nothing was made
@@ -181,8 +182,14 @@ class SandboxSession:
             raise
         ownership.created(name, created.id)
         self.sandbox_id = created.id
+        await host_pip_settings.upload(client, created.id, host_pip)
         self._track(await client.get_sandbox(created.id))
         await self._start_runner(new_sandbox=True)
+
+    def _sandbox_envs(self, host_pip: host_pip_settings.HostPipSettings) -> dict[str, str]:
+        """The environment a new sandbox or fork gets: the host's pip settings, then the
+        variables the user hands over (SANDBOX_KERNEL_ENV, a sealed notebook's `env`)."""
+        return {**host_pip.envs, **(self.settings.sandbox_env or {})}
 
     async def _take_over(self, early: EarlySandbox) -> bool:
         """Drive the sandbox made early, its runner serving (its failure is this start's);
@@ -437,7 +444,7 @@ class SandboxSession:
         client, sandbox_id = self._require()
         source = await self.view()
         try:
-            envs = names.fork_envs(source, name)
+            envs = names.fork_envs(source, name, self._sandbox_envs(host_pip_settings.for_sandbox(self.settings)))
             if name and (holder := names.taken_by(await client.list_sandboxes(), names.checked(name))):
                 raise SessionError(f"the name {name!r} is taken by sandbox {holder.id} on "
                                    f"{self.settings.description}: choose another")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
@@ -67,12 +66,13 @@ def test_doctor_says_what_holds(engine: EngineEndpoint) -> None:
     done = cli("doctor")
     assert done.returncode == 0, done.stdout
     for expected in ("✓ namespaces: user, pid, net, ipc, uts, mount", "✓ pause:", "✓ fork:",
-                     "✓ network: loopback only", "limits (s-1vcpu-1gb): memory 1024 MiB (", "engine: running"):
-        assert expected in done.stdout
-    # what JupyterLab's kernel usage panel needs, said either way
-    panel = importlib.util.find_spec("jupyter_resource_usage") is not None
-    assert ("✓ jupyter-resource-usage: " if panel else
-            "- jupyter-resource-usage not installed: for JupyterLab's kernel usage panel, pip install") in done.stdout
+                     "✓ network: loopback only", "limits (s-1vcpu-1gb): memory 1024 MiB (",
+                     "engine of this environment: running",
+                     # the test extras bring the tour's (examples), on both sides
+                     "✓ jupyterlab_widgets ", "✓ jupyter-resource-usage ",
+                     f"sandboxes see the Python environment {os.path.realpath(sys.prefix)} (this one, read-only)",
+                     "✓ ipywidgets ", "✓ tqdm ", "✓ debugpy "):
+        assert expected in done.stdout, done.stdout
 
 
 def test_gc_destroys_only_what_a_dead_kernel_left(kernelspec: str, engine: EngineEndpoint) -> None:
