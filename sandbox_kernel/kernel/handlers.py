@@ -35,7 +35,7 @@ from traitlets import Unicode
 
 from sandbox_kernel import __version__
 from sandbox_kernel.sandbox import early_start, ownership
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.kernel.allocator import reuse_large_buffers
 from sandbox_kernel.api import SandboxAPIError
 from sandbox_kernel.config import ConfigError, Settings

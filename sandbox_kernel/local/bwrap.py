@@ -22,6 +22,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandbox_kernel.guest import bundle as guest_bundle, protocol
 from sandbox_kernel.local.limits import RLIMITS_ENV
 
 SANDBOX_UID = 1000
@@ -31,8 +32,8 @@ WORKSPACE = "/workspace"
 # it to the agent, so code in the sandbox cannot replace the socket to pose as its agent.
 AGENT_DIR = "/run/sandbox-agent"
 AGENT_SOCKET = AGENT_DIR + "/agent.sock"
-AGENT_MOUNT = "/opt/sandbox-kernel"  # the agent's files (sandbox_kernel/guest/agent), read-only
-AGENT_SCRIPT = AGENT_MOUNT + "/agent.py"
+AGENT_MOUNT = "/opt/sandbox-kernel"  # the agent's files (guest_bundle.agent_files()), read-only
+AGENT_SCRIPT = guest_bundle.agent_path(AGENT_MOUNT)
 FORKABLE_DIR = "/run/sandbox-forkable"  # processes that follow a fork register here
 EGRESS_PORT = 3128
 STAGE = "/tmp"  # where an engine run as root puts host paths for bwrap (Handover)  # on the sandbox's loopback: the agent hands connections to the engine's proxy
@@ -194,7 +195,7 @@ def sandbox_env(sandbox_id: str, python_bin: str) -> dict[str, str]:
         "MPLCONFIGDIR": "/tmp/.config/matplotlib",
         "IPYTHONDIR": "/tmp/.ipython",
         "SANDBOX_ID": sandbox_id,
-        "SANDBOX_FORKABLE_DIR": FORKABLE_DIR,
+        protocol.FORKABLE_DIR_ENV: FORKABLE_DIR,
         "SANDBOX_EGRESS_PORT": str(EGRESS_PORT),
         **proxy_env(),
     }
@@ -215,10 +216,11 @@ def proxy_env() -> dict[str, str]:
     return {**env, **{key.upper(): value for key, value in env.items()}}
 
 
-def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, agent_files: Path, seccomp_fd: int,
+def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, agent_files: dict[str, str], seccomp_fd: int,
                     handover: Handover, shm_mib: int, rlimits: str = "", packages: bool = True) -> list[str]:
     """bwrap's options for one sandbox (the command is in launch_command).
 
+    agent_files: {path under AGENT_MOUNT: host file} (guest_bundle.agent_files());
     seccomp_fd: a readable fd holding the BPF filter (seccomp.py); handover: the data and host
     paths the options refer to (the caller hands them to bwrap); rlimits: what the agent must set
     on itself when no cgroup holds the limits (limits.Limiter.rlimits); shm_mib: the size
@@ -261,8 +263,8 @@ def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, agent_files: Path, secco
         for directory in package_dirs():
             cmd += ["--tmpfs", directory, "--remount-ro", directory]
     cmd += ["--tmpfs", AGENT_MOUNT]
-    for program in sorted(agent_files.glob("*.py")):
-        cmd += ["--ro-bind-data", handover.data(program.read_bytes()), f"{AGENT_MOUNT}/{program.name}"]
+    for relative, program in sorted(agent_files.items()):  # bwrap makes the directories they are in
+        cmd += ["--ro-bind-data", handover.data(Path(program).read_bytes()), f"{AGENT_MOUNT}/{relative}"]
     cmd += ["--remount-ro", AGENT_MOUNT,
             "--chdir", WORKSPACE, "--clearenv", "--seccomp", str(seccomp_fd)]
     env = sandbox_env(sandbox_id, python_bin)

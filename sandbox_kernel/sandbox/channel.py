@@ -45,7 +45,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.api import (
     APITransportError,
     BoundedLines,
@@ -59,7 +59,7 @@ from sandbox_kernel.api import (
     ServerError,
 )
 from sandbox_kernel.kernel.event_lines import parse_event_line
-from sandbox_kernel.guest.runner_client import CHANNEL_WINDOW
+from sandbox_kernel.guest.runner.client import CHANNEL_WINDOW
 
 log = logging.getLogger("sandbox_kernel.sandbox.channel")
 

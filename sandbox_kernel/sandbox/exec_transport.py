@@ -23,7 +23,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.api import BoundedLines, NotFoundError, OversizedLine, SandboxClient, ServerError
 from sandbox_kernel.sandbox.channel import RECOVERABLE
 from sandbox_kernel.kernel.event_lines import parse_event_line

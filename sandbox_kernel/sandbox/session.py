@@ -39,7 +39,7 @@ from sandbox_kernel.api import (
 )
 from sandbox_kernel.api import names
 from sandbox_kernel.sandbox import ownership, pool, shutdown_policy
-from sandbox_kernel.guest import runner_bundle, runner_protocol as protocol
+from sandbox_kernel.guest import bundle as runner_bundle, protocol
 from sandbox_kernel.sandbox.channel import ChannelError, ChannelUnavailable, RunnerChannel, SandboxProcesses
 from sandbox_kernel.sandbox.exec_transport import ExecFailed, ExecTransport, RunnerGone, encode_arg
 from sandbox_kernel.config import Settings, open_client
@@ -49,11 +49,11 @@ from sandbox_kernel.sandbox.early_start import EarlyStart
 log = logging.getLogger("sandbox_kernel.sandbox.session")
 
 RUNNER_DIR = "/tmp/sandbox-kernel"
-RUNNER_PATH = f"{RUNNER_DIR}/runner.py"
-RUNNER_CLIENT_PATH = f"{RUNNER_DIR}/runner_client.py"
+RUNNER_PATH = runner_bundle.runner_path(RUNNER_DIR)
+RUNNER_CLIENT_PATH = runner_bundle.client_path(RUNNER_DIR)
 # Uploaded at every runner start: the runner's bundle (the daemon, its modules, its light
-# client), whose hash the runner reports (runner_bundle.py).
-RUNNER_FILES = {f"{RUNNER_DIR}/{name}": Path(runner_bundle.__file__).with_name(name) for name in runner_bundle.FILES}
+# client), whose hash the runner reports (guest/bundle.py).
+RUNNER_FILES = {f"{RUNNER_DIR}/{path}": Path(source) for path, source in runner_bundle.runner_files().items()}
 SANDBOX_PYTHON = "python3"
 # Keep each exec argument well under Linux's 128 KiB per-argument limit.
 MAX_INLINE_CODE = 64 * 1024
@@ -338,7 +338,7 @@ class SandboxSession:
         """Upload the runner's files and start its daemon; an older daemon is stopped first
         (none in a new_sandbox: we just made it)."""
         client, sandbox_id = self._require()
-        self._check(await client.exec(sandbox_id, "mkdir", ["-p", RUNNER_DIR]))
+        self._check(await client.exec(sandbox_id, "sh", ["-c", runner_bundle.prepare_command(RUNNER_DIR)]))
         await asyncio.gather(*(client.upload_file(sandbox_id, path, source.read_bytes())
                                for path, source in RUNNER_FILES.items()))
         # Detached, so the exec returns at once; `;` (not &&) so the start never waits on

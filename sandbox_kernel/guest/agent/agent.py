@@ -65,10 +65,18 @@ import sys
 import threading
 from collections.abc import AsyncIterator
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script dir out
+if not __package__:
+    # Started by path in a sandbox (python -I -S <mount>/<package>/agent/agent.py, see
+    # bundle.agent_path): the agent's modules are modules of the guest package mounted
+    # there, imported relatively, so its parent directory goes on sys.path (-I leaves
+    # even the script's directory out).
+    _package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(_package_dir))
+    __package__ = os.path.basename(_package_dir) + ".agent"
 
-from processes import ProcessError, ProcessTable  # noqa: E402 - needs the path above
-import self_signal  # noqa: E402 (needs the path above)
+from .. import protocol  # noqa: E402 - needs the package set up above
+from . import self_signal  # noqa: E402
+from .processes import ProcessError, ProcessTable  # noqa: E402
 
 CHUNK = 64 * 1024
 MAX_HEADER = 1 << 20
@@ -265,15 +273,15 @@ class Agent:
         followers = []
         for registration in fork_aware_processes():
             reply = await ask_to_follow(registration, pid, request.get("env") or {})
-            if reply.get("ok") and not followed_into(reply.get("child_pid"), registration, pid):
+            if reply.get("ok") and not followed_into(reply.get(protocol.CHILD_PID), registration, pid):
                 reply = {"error": "its reply names no child of it in the new sandbox"}
             if reply.get("ok"):
-                followers.append(reply["child_pid"])
+                followers.append(reply[protocol.CHILD_PID])
             else:
                 writer.write(failure("failed", "fork: pid %s could not follow: %s"
-                                     % (registration.get("pid"), reply.get("error"))))
+                                     % (registration.get(protocol.REGISTERED_PID), reply.get("error"))))
                 return
-        writer.write(frame({"ok": True, "pid": pid, "followers": followers}))
+        writer.write(frame({"ok": True, "pid": pid, protocol.FOLLOWERS: followers}))
 
     def _become_fork(self, request: dict, ready: int, listener: int) -> None:
         """In the forked child: set up the new sandbox, then exec a fresh agent in it that
@@ -282,7 +290,7 @@ class Agent:
         and a dumpable process's descriptors are open to the sandbox's code."""
         try:
             close_all_but(ready, listener)
-            from nsfork import become_sandbox
+            from .nsfork import become_sandbox
 
             become_sandbox(str(request.get("hostname") or "sandbox"), int(request["disk_mib"]),
                            os.path.dirname(self.socket_path), self.workdir)
@@ -503,14 +511,14 @@ def read_to_end(fd: int) -> str:
 
 
 def fork_aware_processes() -> list:
-    """Processes that registered to follow a fork (the runner does, see runner.py)."""
-    directory = os.environ.get("SANDBOX_FORKABLE_DIR")
+    """Processes that registered to follow a fork (the runner does, see runner/daemon.py)."""
+    directory = os.environ.get(protocol.FORKABLE_DIR_ENV)
     found = []
     for name in sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []:
         try:
             with open(os.path.join(directory, name)) as entry:
                 registration = json.load(entry)
-            os.kill(int(registration["pid"]), 0)
+            os.kill(int(registration[protocol.REGISTERED_PID]), 0)
         except (OSError, ValueError, KeyError, TypeError):
             continue  # stale or garbage: its process is gone
         found.append(registration)
@@ -529,14 +537,14 @@ def followed_into(child_pid: object, registration: dict, sandbox_pid: int) -> bo
                      == os.readlink("/proc/%d/ns/mnt" % sandbox_pid))
     except (OSError, ValueError, TypeError, StopIteration):
         return False
-    return same_root and parent == int(registration["pid"]) and int(child_pid) != sandbox_pid
+    return same_root and parent == int(registration[protocol.REGISTERED_PID]) and int(child_pid) != sandbox_pid
 
 
 async def ask_to_follow(registration: dict, join_pid: int, env: dict) -> dict:
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(str(registration["socket"])), 5)
-        writer.write(frame({"op": "fork", "join_pid": join_pid, "env": env}))
+            asyncio.open_unix_connection(str(registration[protocol.REGISTERED_SOCKET])), 5)
+        writer.write(frame({protocol.OP: protocol.FORK, protocol.JOIN_PID: join_pid, protocol.FORK_ENV: env}))
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), FOLLOW_TIMEOUT)
         writer.close()
@@ -578,7 +586,7 @@ async def serve(socket_path: str, workdir: str, listen_fd: int) -> None:
     """Serve on the socket the engine bound for us (listen_fd), in a host directory no
     sandbox reaches. socket_path names the empty, read-only directory inside."""
     agent = Agent(socket_path, workdir)
-    forkable = os.environ.get("SANDBOX_FORKABLE_DIR")
+    forkable = os.environ.get(protocol.FORKABLE_DIR_ENV)
     if forkable:
         os.makedirs(forkable, mode=0o700, exist_ok=True)
     egress_port = os.environ.get("SANDBOX_EGRESS_PORT")
