@@ -1,7 +1,7 @@
 """Everything under sandbox_kernel/guest/ runs inside sandboxes, whose Python is not the
 host's: every module imports only the standard library, the guest package itself (never the
 host side of sandbox_kernel), and the few packages of the sandbox's own environment it uses
-where they are installed. Imports inside functions count too."""
+where they are installed (imports inside functions count too), and is Python 3.8 syntax."""
 
 from __future__ import annotations
 
@@ -76,6 +76,11 @@ def test_every_guest_module_is_seen() -> None:
 @pytest.mark.parametrize("path", GUEST_MODULES, ids=lambda path: str(path.relative_to(GUEST)))
 def test_a_guest_module_imports_only_the_standard_library_and_the_guest_package(path: Path) -> None:
     assert foreign_imports(path) == []
+
+
+@pytest.mark.parametrize("path", GUEST_MODULES, ids=lambda path: str(path.relative_to(GUEST)))
+def test_a_guest_module_is_python_3_8(path: Path) -> None:
+    ast.parse(path.read_text(), str(path), feature_version=(3, 8))
 
 
 @pytest.mark.parametrize("path", GUEST_MODULES, ids=lambda path: str(path.relative_to(GUEST)))

@@ -69,10 +69,13 @@ if not __package__:
     # Started by path in a sandbox (python -I -S <mount>/<package>/agent/agent.py, see
     # bundle.agent_path): the agent's modules are modules of the guest package mounted
     # there, imported relatively, so its parent directory goes on sys.path (-I leaves
-    # even the script's directory out).
+    # even the script's directory out). Spec and package agree: Python 3.12+ warns otherwise.
+    import importlib.machinery
+
     _package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.dirname(_package_dir))
-    __package__ = os.path.basename(_package_dir) + ".agent"
+    __spec__ = importlib.machinery.ModuleSpec(os.path.basename(_package_dir) + ".agent.agent", None, origin=__file__)
+    __package__ = __spec__.parent
 
 from .. import protocol  # noqa: E402 - needs the package set up above
 from . import self_signal  # noqa: E402
