@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,11 @@ def test_a_host_import_is_found_wherever_it_hides(tmp_path: Path) -> None:
     assert foreign_imports(planted, "sandbox_kernel.guest.runner.planted") == [
         "planted.py:6: sandbox_kernel.sandbox", "planted.py:7: sandbox_kernel.config", "planted.py:8: httpx",
         "planted.py:9: ...."]
+
+
+def test_every_guest_package_ships_in_the_wheel() -> None:
+    """pyproject lists its packages one by one: a guest package missing there is missing from
+    a wheel install, and so from every sandbox's upload."""
+    pyproject = tomllib.loads((GUEST.parents[1] / "pyproject.toml").read_text())
+    packages = {module_name(path) for path in GUEST.rglob("__init__.py")}
+    assert packages <= set(pyproject["tool"]["setuptools"]["packages"])
