@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 from pathlib import Path
 
 from sandbox_kernel.guest.agent.processes import ManagedProcess, ProcessTable
