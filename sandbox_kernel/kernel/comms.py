@@ -11,7 +11,7 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.kernel.events import EventTranslator
 from sandbox_kernel.kernel.request_context import REQUEST_PARENT
 

@@ -15,7 +15,7 @@ import contextvars
 import logging
 from typing import TYPE_CHECKING, Any
 
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.sandbox.event_lines import stream_content
 from sandbox_kernel.kernel.output import OutputGuard
 from sandbox_kernel.kernel.stdin import ask_frontend

@@ -12,7 +12,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sandbox_kernel.api import SandboxAPIError
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.kernel.egress_refusals import RefusalNotes
 from sandbox_kernel.kernel.events import EventTranslator
 from sandbox_kernel.kernel.interrupts import WaitInterrupted

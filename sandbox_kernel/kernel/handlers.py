@@ -36,7 +36,7 @@ from traitlets import Unicode
 
 from sandbox_kernel import __version__
 from sandbox_kernel.config import ConfigError, Settings
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.kernel.boot import Boot
 from sandbox_kernel.kernel.comms import DISPATCHED_CONCURRENTLY, CommRelay
 from sandbox_kernel.kernel.debug import DebugRelay

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 
 # Marks the kernel's own lines (sandbox status, progress), so tools can tell them apart
 # from the user's output.

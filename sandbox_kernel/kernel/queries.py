@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 
 if TYPE_CHECKING:
     from sandbox_kernel.kernel.handlers import SandboxKernel

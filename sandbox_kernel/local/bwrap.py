@@ -19,12 +19,14 @@ import functools
 import importlib.util
 import marshal
 import os
+import posixpath
 import shutil
 import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandbox_kernel.guest import bundle as guest_bundle, protocol
 from sandbox_kernel.local.limits import RLIMITS_ENV
 
 SANDBOX_UID = 1000
@@ -34,8 +36,8 @@ WORKSPACE = "/workspace"
 # it to the agent, so code in the sandbox cannot replace the socket to pose as its agent.
 AGENT_DIR = "/run/sandbox-agent"
 AGENT_SOCKET = AGENT_DIR + "/agent.sock"
-AGENT_MOUNT = "/opt/sandbox-kernel"  # the agent's files (sandbox_kernel/guest/agent), read-only
-AGENT_SCRIPT = AGENT_MOUNT + "/run_agent.py"
+AGENT_MOUNT = "/opt/sandbox-kernel"  # the agent's files (guest_bundle.agent_files()), read-only
+AGENT_SCRIPT = guest_bundle.agent_path(AGENT_MOUNT)
 FORKABLE_DIR = "/run/sandbox-forkable"  # processes that follow a fork register here
 EGRESS_PORT = 3128
 STAGE = "/tmp"  # where an engine run as root puts host paths for bwrap (Handover)  # on the sandbox's loopback: the agent hands connections to the engine's proxy
@@ -197,7 +199,7 @@ def sandbox_env(sandbox_id: str, python_bin: str) -> dict[str, str]:
         "MPLCONFIGDIR": "/tmp/.config/matplotlib",
         "IPYTHONDIR": "/tmp/.ipython",
         "SANDBOX_ID": sandbox_id,
-        "SANDBOX_FORKABLE_DIR": FORKABLE_DIR,
+        protocol.FORKABLE_DIR_ENV: FORKABLE_DIR,
         "SANDBOX_EGRESS_PORT": str(EGRESS_PORT),
         **proxy_env(),
     }
@@ -219,7 +221,7 @@ def proxy_env() -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=32)
-def bytecode(name: str, source: bytes) -> bytes:
+def bytecode(path: str, source: bytes) -> bytes:
     """The agent module's compiled form, as the sandbox's Python (the engine's own) would
     cache it next to the source: in the sandbox that directory is read-only, so every
     agent start compiled its modules again (agent.py, processes.py, self_signal.py, and
@@ -227,16 +229,17 @@ def bytecode(name: str, source: bytes) -> bytes:
     compiled anyway, and is short for that reason). A checked-hash pyc (PEP 552): the
     interpreter uses it only if the source's hash matches, so it can never stand for
     other code than the source bound beside it. Made once per engine."""
-    code = compile(source, f"{AGENT_MOUNT}/{name}", "exec", dont_inherit=True, optimize=0)
+    code = compile(source, path, "exec", dont_inherit=True, optimize=0)
     flags = 0b11  # hash-based, checked
     return (importlib.util.MAGIC_NUMBER + flags.to_bytes(4, "little")
             + importlib.util.source_hash(source) + marshal.dumps(code))
 
 
-def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, agent_files: Path, seccomp_fd: int,
+def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, agent_files: dict[str, str], seccomp_fd: int,
                     handover: Handover, shm_mib: int, rlimits: str = "", packages: bool = True) -> list[str]:
     """bwrap's options for one sandbox (the command is in launch_command).
 
+    agent_files: {path under AGENT_MOUNT: host file} (guest_bundle.agent_files());
     seccomp_fd: a readable fd holding the BPF filter (seccomp.py); handover: the data and host
     paths the options refer to (the caller hands them to bwrap); rlimits: what the agent must set
     on itself when no cgroup holds the limits (limits.Limiter.rlimits); shm_mib: the size
@@ -278,12 +281,13 @@ def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, agent_files: Path, secco
     if not packages:
         for directory in package_dirs():
             cmd += ["--tmpfs", directory, "--remount-ro", directory]
-    cmd += ["--tmpfs", AGENT_MOUNT, "--dir", f"{AGENT_MOUNT}/__pycache__"]
-    for program in sorted(agent_files.glob("*.py")):
-        source = program.read_bytes()
-        cmd += ["--ro-bind-data", handover.data(source), f"{AGENT_MOUNT}/{program.name}",
-                "--ro-bind-data", handover.data(bytecode(program.name, source)),
-                f"{AGENT_MOUNT}/__pycache__/{program.stem}.{sys.implementation.cache_tag}.pyc"]
+    cmd += ["--tmpfs", AGENT_MOUNT]
+    for relative, program in sorted(agent_files.items()):  # bwrap makes the directories they are in
+        source, path = Path(program).read_bytes(), f"{AGENT_MOUNT}/{relative}"
+        directory, module = posixpath.split(path)
+        cached = f"{directory}/__pycache__/{module.removesuffix('.py')}.{sys.implementation.cache_tag}.pyc"
+        cmd += ["--ro-bind-data", handover.data(source), path,
+                "--ro-bind-data", handover.data(bytecode(path, source)), cached]
     cmd += ["--remount-ro", AGENT_MOUNT,
             "--chdir", WORKSPACE, "--clearenv", "--seccomp", str(seccomp_fd)]
     env = sandbox_env(sandbox_id, python_bin)

@@ -46,7 +46,7 @@ from sandbox_kernel.local.agent_client import (
 )
 from sandbox_kernel.local.egress_gate import EgressGate
 from sandbox_kernel.local.signal_relay import SignalRelay
-from sandbox_kernel.guest import agent
+from sandbox_kernel.guest import bundle as guest_bundle, protocol
 from sandbox_kernel.local import disk, registry, seccomp
 from sandbox_kernel.local.engine_lock import EngineLock
 from sandbox_kernel.local.access_tokens import AccessToken, digest
@@ -71,7 +71,7 @@ from sandbox_kernel.local.limits import Applied, Limits, select as select_limite
 
 log = logging.getLogger("sandbox_kernel.engine")
 
-AGENT_FILES = Path(agent.__file__).parent  # the agent's programs (host side), bound into every sandbox
+AGENT_FILES = guest_bundle.agent_files()  # the agent's programs (host side), bound into every sandbox
 AGENT_START_TIMEOUT = 15.0
 DEFAULT_DISK_MIB = 10240
 MAX_DISK_MIB = 1024 * 1024  # 1 TiB: a sparse image costs only what is written, but not without bound
@@ -891,7 +891,7 @@ class Engine:
                                                     disk_mib=child.disk_mib,
                                                     env={"SANDBOX_ID": child.id}, listener=listener)
                     agent_pid = source.family.host_pid(reply["pid"])
-                    followers = [source.family.host_pid(pid) for pid in reply["followers"]]
+                    followers = [source.family.host_pid(pid) for pid in reply[protocol.FOLLOWERS]]
                     source.family.check_fork_members(agent_pid, followers)
                     self._attach(child, agent_pid, *followers)
                 finally:

@@ -45,6 +45,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.api import (
     BoundedLines,
     ConflictError,
@@ -55,8 +56,7 @@ from sandbox_kernel.api import (
     SandboxAPIError,
     SandboxClient,
 )
-from sandbox_kernel.guest import runner_protocol as protocol
-from sandbox_kernel.guest.runner_client import CHANNEL_WINDOW
+from sandbox_kernel.guest.runner.client import CHANNEL_WINDOW
 from sandbox_kernel.sandbox.event_lines import parse_event_line
 from sandbox_kernel.sandbox.transport import RECONNECT_DELAYS, RECOVERABLE, EventHandler, RunnerTransportError
 

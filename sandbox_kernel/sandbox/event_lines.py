@@ -17,7 +17,7 @@ import json
 from json.decoder import scanstring
 from typing import Any
 
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 
 # How the runner's encoder (json.dumps, default separators) writes the last field's key.
 _TEXT_FIELD = ', "text": '

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandbox_kernel.api import BoundedLines, NotFoundError, OversizedLine, SandboxClient, ServerError
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.sandbox.event_lines import parse_event_line
 from sandbox_kernel.sandbox.transport import RECONNECT_DELAYS, RECOVERABLE, EventHandler, RunnerTransportError
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandbox_kernel.sandbox import ownership
-from sandbox_kernel.guest import runner_bundle
+from sandbox_kernel.guest import bundle as runner_bundle
 from sandbox_kernel.config import Settings
 from sandbox_kernel.paths import state_dir, write_private
 

@@ -17,17 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_kernel.api import ExecResponse, ExecResult, SandboxAPIError, SandboxClient
-from sandbox_kernel.guest import runner_bundle, runner_protocol as protocol
+from sandbox_kernel.guest import bundle, protocol
 from sandbox_kernel.sandbox.exec_transport import encode_arg
 
 log = logging.getLogger("sandbox_kernel.sandbox.runner_setup")
 
 RUNNER_DIR = "/tmp/sandbox-kernel"
-RUNNER_PATH = f"{RUNNER_DIR}/runner.py"
-RUNNER_CLIENT_PATH = f"{RUNNER_DIR}/runner_client.py"
+RUNNER_PATH = bundle.runner_path(RUNNER_DIR)
+RUNNER_CLIENT_PATH = bundle.client_path(RUNNER_DIR)
 # Uploaded at every runner start: the runner's bundle (the daemon, its modules, its light
-# client), whose hash the runner reports (runner_bundle.py).
-RUNNER_FILES = {f"{RUNNER_DIR}/{name}": Path(runner_bundle.__file__).with_name(name) for name in runner_bundle.FILES}
+# client), whose hash the runner reports (guest/bundle.py).
+RUNNER_FILES = {f"{RUNNER_DIR}/{path}": Path(source) for path, source in bundle.runner_files().items()}
 SANDBOX_PYTHON = "python3"
 RUNNER_READY_TIMEOUT = 30.0
 READY_PROBE = 2.0  # seconds one readiness exec may wait in the sandbox
@@ -45,7 +45,7 @@ async def start_runner(client: SandboxClient, sandbox_id: str, new_sandbox: bool
     """Upload the runner's files and start its daemon; return what it says of itself (its
     info: Python version, bundle hash, features). An older daemon is stopped first (none
     in a new_sandbox: we just made it). RuntimeError if the runner did not start."""
-    _check(await client.exec(sandbox_id, "mkdir", ["-p", RUNNER_DIR]))
+    _check(await client.exec(sandbox_id, "sh", ["-c", bundle.prepare_command(RUNNER_DIR)]))
     await asyncio.gather(*(client.upload_file(sandbox_id, path, source.read_bytes())
                            for path, source in RUNNER_FILES.items()))
     # Detached, so the exec returns at once; `;` (not &&) so the start never waits on

@@ -36,7 +36,7 @@ from sandbox_kernel.api import (
     names,
 )
 from sandbox_kernel.config import SHUTDOWN_POLICIES, Settings, open_client
-from sandbox_kernel.guest import runner_bundle, runner_protocol as protocol
+from sandbox_kernel.guest import bundle as runner_bundle, protocol
 from sandbox_kernel.sandbox import host_pip_settings, ownership, pool, runner_setup, shutdown_policy
 from sandbox_kernel.sandbox.cost import Cost, Meter
 from sandbox_kernel.sandbox.errors import RunnerDied, SessionError

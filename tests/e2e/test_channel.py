@@ -61,7 +61,7 @@ def test_output_between_cells_arrives_on_the_parent_of_the_cell_that_started_it(
 RELAYS = """
 import os, signal, time
 def relays():
-    \"\"\"Pids of the channel's relays (runner_client.py channel) alive in this sandbox.\"\"\"
+    \"\"\"Pids of the channel's relays (runner/client.py channel) alive in this sandbox.\"\"\"
     found = []
     for pid in filter(str.isdigit, os.listdir('/proc')):
         try:
@@ -69,7 +69,7 @@ def relays():
             state = open(f'/proc/{pid}/stat', 'rb').read().rsplit(b')', 1)[1].split()[0]
         except OSError:
             continue
-        if any(arg.endswith(b'runner_client.py') for arg in argv) and b'channel' in argv and state != b'Z':
+        if any(arg.endswith(b'/runner/client.py') for arg in argv) and b'channel' in argv and state != b'Z':
             found.append(int(pid))
     return found
 """
@@ -125,9 +125,9 @@ async def test_a_runner_that_dies_at_start_is_said_with_its_last_words(
         engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The exec that starts the runner also waits for it (one round trip): a runner that
     exits at once is reported by that exec, with the end of its log."""
-    broken = tmp_path / "runner.py"
+    broken = tmp_path / "__main__.py"
     broken.write_text("import sys\nsys.exit('this runner stops at once')\n")
-    monkeypatch.setitem(runner_setup.RUNNER_FILES, f"{runner_setup.RUNNER_DIR}/runner.py", broken)
+    monkeypatch.setitem(runner_setup.RUNNER_FILES, f"{runner_setup.RUNNER_PATH}/__main__.py", broken)
     session = session_module.SandboxSession(Settings.from_env())
     try:
         with pytest.raises(session_module.SessionError, match="did not start: this runner stops at once"):

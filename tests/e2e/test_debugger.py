@@ -1,5 +1,5 @@
 """The debugger, end to end: DAP requests from jupyter_client on the control channel, served by
-debugpy inside the sandbox (runner_debug.py), events back on IOPub; every message validated.
+debugpy inside the sandbox (guest/runner/debug.py), events back on IOPub; every message validated.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from jupyter_client.manager import start_new_kernel
 from engine_helpers import sandbox_status
 from fault_proxy import proxied_engine
 from kernel_helpers import TIMEOUT, execute, running_kernel
-from sandbox_kernel.guest import runner_debug
+from sandbox_kernel.guest.runner import debug as runner_debug
 from sandbox_kernel.api import SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
 from message_spec import validate

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import queue
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,9 @@ from fault_proxy import proxied_engine
 from kernel_helpers import (PROVIDER, TIMEOUT, Execution, execute, is_status_line, plain_traceback, running_kernel,
                             wait_busy_then_idle)
 from message_spec import validate
+from sandbox_kernel.guest import bundle as runner_bundle
 from sandbox_kernel.local.service import EngineEndpoint
+from sandbox_kernel.sandbox.session import RUNNER_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.one_path]
 
@@ -238,6 +241,21 @@ def test_imports_look_in_the_working_directory_first(kc: BlockingKernelClient) -
     run(kc, "with open('local_module_here.py', 'w') as f:\n    f.write('VALUE = 7\\n')")
     result = run(kc, "import sys, local_module_here\nsys.path[0], local_module_here.VALUE")
     assert result.of_type("execute_result")[0]["data"]["text/plain"] == "('', 7)"
+
+
+def test_a_users_module_named_like_one_of_the_runners_is_the_users(kc: BlockingKernelClient) -> None:
+    """The runner's modules are modules of its own package in the sandbox: none is in
+    sys.modules under a bare name a user's import would take (runner_protocol was, before),
+    and no directory of the runner's is on sys.path."""
+    ours = sorted({Path(path).stem for path in runner_bundle.runner_files()} - {"__init__", "__main__"}
+                  | {"runner_protocol", "runner_bundle", "runner_debug", "runner_fork"})
+    found = run(kc, f"import sys\nprint(sorted(name for name in {ours!r} if name in sys.modules))")
+    assert found.text() == "[]\n"
+    run(kc, "for name in ('protocol', 'runner_protocol'):\n"
+            "    with open(name + '.py', 'w') as f:\n        f.write('OWNER = \"user\"\\n')")
+    mine = run(kc, "import os, protocol, runner_protocol, sys\nos.remove('protocol.py'); os.remove('runner_protocol.py')\n"
+                   f"print(protocol.OWNER, runner_protocol.OWNER, [p for p in sys.path if {RUNNER_DIR!r} in p])")
+    assert mine.text() == "user user []\n"
 
 
 def test_matplotlib_is_inline_on_import(kc: BlockingKernelClient) -> None:

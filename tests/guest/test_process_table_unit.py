@@ -1,17 +1,13 @@
-"""The agent's table of managed processes (local/guest/processes.py) without an agent: how a
+"""The agent's table of managed processes (guest/agent/processes.py) without an agent: how a
 wait learns of a change."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 from pathlib import Path
 
-from sandbox_kernel.guest import agent as agent_package
-
-sys.path.insert(0, str(Path(agent_package.__file__).parent))
-from processes import ManagedProcess, ProcessTable  # noqa: E402 (the agent's module, beside the agent)
+from sandbox_kernel.guest.agent.processes import ManagedProcess, ProcessTable
 
 
 async def test_a_change_just_as_a_wait_begins_ends_the_wait(tmp_path: Path) -> None:

@@ -1,10 +1,12 @@
-"""Tests of sandbox_kernel/runner.py, run as the kernel runs it: a daemon
-subprocess (on the host, in a temporary directory) and short-lived clients.
+"""Tests of the runner (sandbox_kernel/guest/runner/), run as the kernel runs it: its bundle
+copied as the kernel uploads it, a daemon subprocess started from there (on the host, in a
+temporary directory) and short-lived clients.
 
 Most tests run against both engines: IPython and the forced plain fallback.
 """
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import os
@@ -20,8 +22,23 @@ from pathlib import Path
 
 import pytest
 
-RUNNER = Path(__file__).resolve().parents[2] / "sandbox_kernel" / "guest" / "runner.py"
-CLIENT = RUNNER.with_name("runner_client.py")  # the kernel's client of the daemon
+from sandbox_kernel.guest import bundle
+
+
+
+def uploaded_bundle() -> str:
+    """A directory holding the runner's bundle as the kernel uploads it (bundle.runner_files)."""
+    root = tempfile.mkdtemp(prefix="skb-", dir="/tmp")
+    atexit.register(shutil.rmtree, root, True)
+    for relative, source in bundle.runner_files().items():
+        os.makedirs(os.path.dirname(os.path.join(root, relative)), exist_ok=True)
+        shutil.copy(source, os.path.join(root, relative))
+    return root
+
+
+BUNDLE_ROOT = uploaded_bundle()
+RUNNER = bundle.runner_path(BUNDLE_ROOT)
+CLIENT = bundle.client_path(BUNDLE_ROOT)  # the kernel's client of the daemon
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 pytestmark = pytest.mark.timeout(60)
@@ -282,7 +299,7 @@ def test_error_event(daemon):
     assert error["ename"] == "ZeroDivisionError"
     assert error["evalue"] == "division by zero"
     text = plain_text(error["traceback"])
-    assert "runner.py" not in text
+    assert bundle.PACKAGE not in text  # no frame of the runner's
     assert "return 1 / 0" in text  # the cell's source is shown
     assert events[-1]["status"] == "error"
 
@@ -291,7 +308,7 @@ def test_syntax_error(daemon):
     events = daemon.run("x = (1,\nprint('never')")
     [error] = of_type(events, "error")
     assert error["ename"] == "SyntaxError"
-    assert "runner.py" not in plain_text(error["traceback"])
+    assert bundle.PACKAGE not in plain_text(error["traceback"])
     assert of_type(events, "stream") == []
     assert events[-1]["status"] == "error"
 

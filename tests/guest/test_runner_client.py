@@ -1,4 +1,4 @@
-"""runner_client.py, the light per-cell client, against a real runner daemon on the host
+"""guest/runner/client.py, the light per-cell client, against a real runner daemon on the host
 (as tests/test_runner.py runs it), started the way the kernel starts it: `-I -S`."""
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_kernel.guest.runner_client import waits_for_done, with_op
-from test_runner import Daemon, b64, new_cell_id, parse
-
-CLIENT = Path(__file__).resolve().parents[2] / "sandbox_kernel" / "guest" / "runner_client.py"
+from sandbox_kernel.guest.runner.client import waits_for_done, with_op
+from test_runner import CLIENT, Daemon, b64, new_cell_id, parse
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,13 +116,14 @@ class Relay:
 
 
 def test_the_relays_words_are_the_protocols() -> None:
-    from sandbox_kernel.guest import runner_client, runner_protocol
+    from sandbox_kernel.guest import protocol as runner_protocol
+    from sandbox_kernel.guest.runner import client as runner_client, daemon
     from sandbox_kernel.sandbox.channel import ACK_EVERY
 
-    source = CLIENT.read_text()
+    source = Path(CLIENT).read_text()
     assert f'{{"{runner_protocol.OP}": "{runner_protocol.CHANNEL}"' in source
     assert f'"{runner_protocol.BACKGROUND_AFTER}": %d' in source
-    assert runner_client.SOCKET_NAME == "runner.sock" and ACK_EVERY < runner_client.CHANNEL_WINDOW
+    assert runner_client.SOCKET_NAME == daemon.SOCKET_NAME and ACK_EVERY < runner_client.CHANNEL_WINDOW
 
 
 def test_a_channel_carries_many_requests_with_tagged_events_and_replies(daemon: Daemon) -> None:
@@ -167,7 +166,7 @@ def test_output_between_cells_reaches_the_channel_untagged(daemon: Daemon) -> No
 
 
 def test_the_relay_writes_no_further_ahead_of_the_kernel_than_its_window(daemon: Daemon) -> None:
-    from sandbox_kernel.guest.runner_client import CHANNEL_WINDOW
+    from sandbox_kernel.guest.runner.client import CHANNEL_WINDOW
 
     relay = Relay(daemon)
     out = relay.process.stdout

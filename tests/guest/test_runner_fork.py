@@ -1,6 +1,6 @@
 """Tests of the runner's fork op: the daemon forks itself (os.fork) into a new
 directory and/or the namespaces of another process, and both halves go on as
-independent daemons. Daemons run on the host, as in tests/test_runner.py.
+independent daemons. Daemons run on the host, as in tests/guest/test_runner.py.
 """
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_runner import (  # noqa: E402
+from test_runner import (
     Daemon, assert_interrupt_stops, new_cell_id, of_type, read_until, stdout_of, streams)
 
 pytestmark = pytest.mark.timeout(60)

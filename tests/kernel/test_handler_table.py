@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from ipykernel.kernelbase import Kernel
 
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.kernel.handlers import CONTROL_HANDLERS, FEATURE_MESSAGES, SHELL_HANDLERS, SandboxKernel
 
 # The message types ipykernel's own handler answers for this kernel, and the hook of ours it

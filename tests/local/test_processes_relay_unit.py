@@ -1,5 +1,5 @@
 """The engine's pass-through of a managed process's frames (local/processes.py `_relay`),
-fed frames exactly as the agent writes them (guest/processes.py `data_frame`, guest/agent.py
+fed frames exactly as the agent writes them (guest/agent/processes.py `data_frame`, guest/agent/agent.py
 `frame`): no engine, no sandbox. And the window sizes the kernel's relay relies on."""
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ from pathlib import Path
 import pytest
 
 from sandbox_kernel.guest import agent as agent_package
+from sandbox_kernel.guest.agent.agent import frame
+from sandbox_kernel.guest.agent.processes import CHUNK_OVERHEAD, READ_CHUNK, WINDOW_BYTES, data_frame
+from sandbox_kernel.guest.runner.client import CHANNEL_WINDOW
 from sandbox_kernel.local import processes
-from sandbox_kernel.guest.runner_client import CHANNEL_WINDOW
-
-sys.path.insert(0, str(Path(agent_package.__file__).parent))
-from agent import frame  # noqa: E402 (the agent is a script beside its own modules)
-from processes import CHUNK_OVERHEAD, READ_CHUNK, WINDOW_BYTES, data_frame  # noqa: E402
 
 
 class CountingSandbox:
@@ -74,10 +72,12 @@ def test_the_agent_encodes_output_with_pybase64_as_binascii_would() -> None:
     and its encoder writes what binascii's does."""
     import subprocess
 
-    guest = Path(agent_package.__file__).parent
-    probe = ("import sys; sys.path.insert(0, sys.argv[1]); before = list(sys.path); import processes; "
+    # As agent.py started by path: the guest package's parent directory on sys.path.
+    package_parent = Path(agent_package.__file__).parents[3]
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); before = list(sys.path); "
+             "from sandbox_kernel.guest.agent import processes; "
              "encode = processes._output_encoder(); print(encode.__module__, sys.path == before)")
-    found = subprocess.run([sys.executable, "-I", "-S", "-c", probe, str(guest)], capture_output=True, text=True,
+    found = subprocess.run([sys.executable, "-I", "-S", "-c", probe, str(package_parent)], capture_output=True, text=True,
                            check=True).stdout.split()
     assert found == ["pybase64._pybase64", "True"]
     guest_processes = sys.modules[data_frame.__module__]

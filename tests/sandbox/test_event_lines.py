@@ -4,22 +4,19 @@ forged, can make the kernel publish anything but valid JSON of what json.loads r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sandbox_kernel.sandbox.event_lines import parse_event_line, stream_content
 
-RUNNER = Path(__file__).resolve().parents[2] / "sandbox_kernel" / "guest" / "runner.py"
 TRICKY_TEXT = 'plain, "quoted", back\\slash, tab\t, bell\x07, é, 漢字, 🙂, lone \ud800, "text": "x"}\n'
 
 
 def as_runner_writes(text: str, **fields: Any) -> str:
-    """A channel line as runner.py writes one (see its _encode_line): the cell's tag, then the
+    """A channel line as the runner writes one (see runner/wire.py encode_line): the cell's tag, then the
     event's fields, the text last, escaped to ASCII on its own."""
     head = json.dumps({"cell": "c-1", "seq": 3, "type": "stream", "name": "stdout", **fields})
     return head[:-1] + ', "text": ' + json.encoder.encode_basestring_ascii(text) + "}"
@@ -63,26 +60,23 @@ def test_the_runners_stream_text_is_published_as_it_wrote_it(fields: dict[str, A
 
 
 @pytest.fixture
-def runner(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """runner.py, loaded as the sandbox loads it (it imports its sibling modules by bare name)."""
-    monkeypatch.syspath_prepend(str(RUNNER.parent))
-    spec = importlib.util.spec_from_file_location("runner_under_test", RUNNER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def runner() -> Any:
+    """The runner's wire format (sandbox_kernel/guest/runner/wire.py)."""
+    from sandbox_kernel.guest.runner import wire
+
+    return wire
 
 
 @pytest.mark.parametrize("text", [TRICKY_TEXT, TRICKY_TEXT * 300, "long printable line\n" * 1000])
 def test_the_runner_writes_stream_text_last_and_escaped_as_expected(runner: Any, text: str) -> None:
-    """What runner.py's encoder makes of a stream event is the line the fast path expects."""
-    written = runner._encode_line({"seq": 3, "type": "stream", "name": "stdout", "text": text, "parent": "p"})
+    """What the runner's encoder makes of a stream event is the line the fast path expects."""
+    written = runner.encode_line({"seq": 3, "type": "stream", "name": "stdout", "text": text, "parent": "p"})
     line = '{"cell": "c-1", ' + written.decode("ascii").rstrip("\n")[1:]
     assert line == as_runner_writes(text, parent="p")
 
 
 def test_the_runners_escaping_of_long_text_is_json_encoders(runner: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """runner._json_string escapes long ASCII text with scans and replaces of its own: for
+    """wire._json_string escapes long ASCII text with scans and replaces of its own: for
     texts of every character JSON escapes, and others, it writes what json's encoder writes."""
     shuffle = random.Random(7)
     alphabet = [chr(code) for code in range(0x80)] + ["é", "漢", "🙂", "\ud800"]

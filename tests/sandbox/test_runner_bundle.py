@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,15 +25,16 @@ from jupyter_client.manager import KernelManager
 
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel.sandbox import pool
-from sandbox_kernel.guest import runner_bundle
+from sandbox_kernel.guest import bundle as runner_bundle
 from sandbox_kernel.api import SandboxClient
 from sandbox_kernel.config import ENV_VARS
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.sandbox.runner_setup import RUNNER_DIR
 
 BUNDLE_DIR = Path(runner_bundle.__file__).parent
-MARK = "# the other version\n"  # what the other version's runner_protocol.py ends with
-MARKED = f"print(open('{RUNNER_DIR}/runner_protocol.py').read().endswith({MARK!r}))"
+MARK = "# the other version\n"  # what the other version's protocol.py ends with
+MARKED_FILE = f"{RUNNER_DIR}/{runner_bundle.PACKAGE}/protocol.py"  # in the sandbox
+MARKED = f"print(open({MARKED_FILE!r}).read().endswith({MARK!r}))"
 SANDBOX_ID = "import os\nprint(os.environ['SANDBOX_ID'])"
 
 
@@ -46,29 +48,57 @@ def other_version_line(sandbox_id: str) -> str:
 
 
 def test_the_hash_changes_with_any_bundle_file_and_only_then(tmp_path: Path) -> None:
-    for name in runner_bundle.FILES:
-        shutil.copy(BUNDLE_DIR / name, tmp_path / name)
-    (tmp_path / "not_in_the_bundle.py").write_text("x = 1\n")
-    original = runner_bundle.bundle_hash(str(tmp_path))
+    uploaded = {tmp_path / path: Path(source) for path, source in runner_bundle.runner_files().items()}
+    for copy, source in uploaded.items():
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source, copy)
+    package = tmp_path / runner_bundle.PACKAGE
+    # Not the runner's: the agent's part of the package, compiled modules.
+    (package / "agent").mkdir()
+    (package / "agent" / "agent.py").write_text("x = 1\n")
+    (package / "runner" / "__pycache__").mkdir()
+    (package / "runner" / "__pycache__" / "daemon.cpython-311.pyc").write_bytes(b"1")
+    original = runner_bundle.bundle_hash(str(package))
     assert original == runner_bundle.own_hash() == runner_bundle.bundle_hash(str(BUNDLE_DIR))
-    (tmp_path / "not_in_the_bundle.py").write_text("x = 2\n")  # not the bundle's: no change
-    (tmp_path / "runner.py").touch()  # a new mtime, the same content: no change
-    assert runner_bundle.bundle_hash(str(tmp_path)) == original
+    (package / "agent" / "agent.py").write_text("x = 2\n")  # not the bundle's: no change
+    (package / "runner" / "__pycache__" / "daemon.cpython-311.pyc").write_bytes(b"2")
+    (package / "runner" / "daemon.py").touch()  # a new mtime, the same content: no change
+    assert runner_bundle.bundle_hash(str(package)) == original
     seen = {original}
-    for name in runner_bundle.FILES:
-        content = (tmp_path / name).read_bytes()
-        (tmp_path / name).write_bytes(content + b"\n")
-        changed = runner_bundle.bundle_hash(str(tmp_path))
-        assert changed not in seen, name
+    for copy in uploaded:
+        content = copy.read_bytes()
+        copy.write_bytes(content + b"\n")
+        changed = runner_bundle.bundle_hash(str(package))
+        assert changed not in seen, copy
         seen.add(changed)
-        (tmp_path / name).write_bytes(content)
-        assert runner_bundle.bundle_hash(str(tmp_path)) == original
-    # A byte moved from one file to the next is another bundle too.
-    first, second = (tmp_path / name for name in runner_bundle.FILES[:2])
+        copy.write_bytes(content)
+        assert runner_bundle.bundle_hash(str(package)) == original
+    # A module more (one an older upload left behind) is another bundle...
+    (package / "runner" / "left_behind.py").write_text("")
+    assert runner_bundle.bundle_hash(str(package)) not in seen
+    (package / "runner" / "left_behind.py").unlink()
+    # ... and so is a byte moved from one file to the next.
+    first, second = sorted(uploaded)[:2]
     a, b = first.read_bytes(), second.read_bytes()
     first.write_bytes(a[:-1])
     second.write_bytes(a[-1:] + b)
-    assert runner_bundle.bundle_hash(str(tmp_path)) not in seen
+    assert runner_bundle.bundle_hash(str(package)) not in seen
+
+
+def test_the_upload_is_the_package_and_starts_as_one(tmp_path: Path) -> None:
+    """Every module of the runner is uploaded, derived from the package (no hand list), and
+    the directory the upload command prepares holds them all."""
+    runner_modules = {path.name for path in (BUNDLE_DIR / "runner").glob("*.py")}
+    files = runner_bundle.runner_files()
+    assert {Path(path).name for path in files if "/runner/" in path} == runner_modules
+    assert f"{runner_bundle.PACKAGE}/protocol.py" in files and not any("/agent/" in path for path in files)
+    root = tmp_path / "root"
+    (root / runner_bundle.PACKAGE / "stale").mkdir(parents=True)  # a previous upload's
+    subprocess.run(["sh", "-c", runner_bundle.prepare_command(str(root))], check=True)
+    assert not (root / runner_bundle.PACKAGE / "stale").exists()
+    assert all((root / path).parent.is_dir() for path in files)
+    assert runner_bundle.client_path(str(root)) == str(root / runner_bundle.PACKAGE / "runner" / "client.py")
+    assert (Path(runner_bundle.runner_path(str(root))) / "__main__.py").relative_to(root).as_posix() in files
 
 
 def test_a_runner_that_reports_no_hash_runs_another_bundle() -> None:
@@ -87,7 +117,7 @@ def other_version(tmp_path_factory: pytest.TempPathFactory) -> Path:
     bundle file: another sandbox-kernel version."""
     root = tmp_path_factory.mktemp("other-version")
     shutil.copytree(BUNDLE_DIR.parent, root / "sandbox_kernel", ignore=shutil.ignore_patterns("__pycache__"))
-    with open(root / "sandbox_kernel" / BUNDLE_DIR.name / "runner_protocol.py", "a") as file:
+    with open(root / "sandbox_kernel" / BUNDLE_DIR.name / "protocol.py", "a") as file:
         file.write(MARK)
     return root
 
@@ -153,7 +183,7 @@ def test_a_pool_member_of_another_version_is_not_claimed(
             made = wait_for_new_members(before)
         [member] = made
         # Proof that the member runs the other version's runner, from its bundle.
-        assert sandbox_run(engine, member, f"tail -c {len(MARK)} {RUNNER_DIR}/runner_protocol.py") == MARK
+        assert sandbox_run(engine, member, f"tail -c {len(MARK)} {MARKED_FILE}") == MARK
         with running_kernel(kernelspec) as (_, kc):
             started_on = execute(kc, SANDBOX_ID).text().strip()
             made |= wait_for_new_members(before | made)  # this version's pool fills up

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from sandbox_kernel.config import Settings
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.sandbox.exec_transport import ExecStreaming
 from sandbox_kernel.sandbox.runner_link import channel_to, execs_to

@@ -19,6 +19,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 
 from attack_helpers import ONCE, attempt
 from kernel_helpers import running_kernel
+from sandbox_kernel.guest import bundle as guest_bundle
 from sandbox_kernel.local.egress_gate import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -93,9 +94,10 @@ def test_writes_outside_the_workspace_never_reach_the_host(kc, tmp_path: Path) -
     host_file.write_text("original")
     host_file.chmod(0o666)
     # The agent's code: its start script, its modules and the bytecode the engine binds beside them.
-    agent_code = ["/opt/sandbox-kernel/agent.py", "/opt/sandbox-kernel/run_agent.py",
-                  f"/opt/sandbox-kernel/__pycache__/agent.{sys.implementation.cache_tag}.pyc",
-                  "/opt/sandbox-kernel/__pycache__/intruder.pyc"]
+    agent_dir = f"/opt/sandbox-kernel/{guest_bundle.PACKAGE}/agent"
+    agent_code = [f"{agent_dir}/agent.py", f"{agent_dir}/run_agent.py",
+                  f"{agent_dir}/__pycache__/agent.{sys.implementation.cache_tag}.pyc",
+                  f"{agent_dir}/__pycache__/intruder.pyc"]
     protected = ["/usr/sandbox-was-here", "/etc/passwd", *agent_code, "/run/sandbox-agent/intruder"]
     found = attempt(kc, f"""
         import socket, sys

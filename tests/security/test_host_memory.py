@@ -2,10 +2,10 @@
 (issue 12, item 2). Each attack first shows it ran (the bytes were really sent or read),
 then that the peak memory of the kernel and the engine grew by less than a stated bound.
 
-The runner's client (/tmp/sandbox-kernel/runner_client.py) lives where sandbox code can
+The runner's client (session.RUNNER_CLIENT_PATH) lives where sandbox code can
 write, so the kernel does not trust it: every line it reads is bounded, and buffered exec
 output is capped by the engine. The same holds for the channel's relay (a running
-runner_client.py channel), whose stdout any code in the sandbox can write to.
+client.py channel), whose stdout any code in the sandbox can write to.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from memory_probe import MIB, memory_growth
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
 from sandbox_kernel.local.server import MAX_BUFFERED_OUTPUT
 from sandbox_kernel.local.service import EngineEndpoint
+from sandbox_kernel.sandbox.session import RUNNER_CLIENT_PATH
 
 pytestmark = [pytest.mark.slow, ONCE]
 
@@ -50,7 +51,7 @@ sys.stdout.buffer.flush()
 def install_evil_client(kc: BlockingKernelClient, mib: int) -> None:
     run = execute(kc, f"""
 import shutil
-client = '/tmp/sandbox-kernel/runner_client.py'
+client = {RUNNER_CLIENT_PATH!r}
 shutil.copy(client, client + '.orig')
 open(client, 'w').write({EVIL_CLIENT.format(mib=mib)!r})
 """)
@@ -85,7 +86,7 @@ def relay():
             argv = open('/proc/%s/cmdline' % pid, 'rb').read().split(b'\\0')
         except OSError:
             continue
-        if any(arg.endswith(b'runner_client.py') for arg in argv) and b'channel' in argv:
+        if any(arg.endswith(b'/runner/client.py') for arg in argv) and b'channel' in argv:
             return pid
 with open('/proc/%s/fd/1' % relay(), 'wb', buffering=0) as out:
     block = b'x' * (1 << 20)

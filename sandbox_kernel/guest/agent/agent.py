@@ -58,9 +58,11 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 
-# Beside this file, on the path run_agent.py (what starts an agent) puts its directory on.
-from processes import ProcessError, ProcessTable
-import self_signal
+# Imported as a module of the guest package mounted in the sandbox, by run_agent.py (what
+# starts an agent), so its modules are imported relatively.
+from .. import protocol
+from . import self_signal
+from .processes import ProcessError, ProcessTable
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_agent.py")
 
@@ -243,7 +245,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         # Loaded here, not in the forked child: the child's every millisecond is the new
         # sandbox's start, and this agent's next forks find it loaded.
-        from nsfork import become_sandbox
+        from .nsfork import become_sandbox
 
         listener = await receive_listener(writer)
         ready_read, ready_write = os.pipe()  # close-on-exec: EOF once the child execs
@@ -263,15 +265,15 @@ class Agent:
         followers = []
         for registration in fork_aware_processes():
             reply = await ask_to_follow(registration, pid, request.get("env") or {})
-            if reply.get("ok") and not followed_into(reply.get("child_pid"), registration, pid):
+            if reply.get("ok") and not followed_into(reply.get(protocol.CHILD_PID), registration, pid):
                 reply = {"error": "its reply names no child of it in the new sandbox"}
             if reply.get("ok"):
-                followers.append(reply["child_pid"])
+                followers.append(reply[protocol.CHILD_PID])
             else:
                 writer.write(failure("failed", "fork: pid %s could not follow: %s"
-                                     % (registration.get("pid"), reply.get("error"))))
+                                     % (registration.get(protocol.REGISTERED_PID), reply.get("error"))))
                 return
-        writer.write(frame({"ok": True, "pid": pid, "followers": followers}))
+        writer.write(frame({"ok": True, "pid": pid, protocol.FOLLOWERS: followers}))
 
     def _become_fork(self, request: dict, ready: int, listener: int,
                      become_sandbox: Callable[[str, int, str, str], None]) -> None:
@@ -500,14 +502,14 @@ def read_to_end(fd: int) -> str:
 
 
 def fork_aware_processes() -> list:
-    """Processes that registered to follow a fork (the runner does, see runner.py)."""
-    directory = os.environ.get("SANDBOX_FORKABLE_DIR")
+    """Processes that registered to follow a fork (the runner does, see runner/daemon.py)."""
+    directory = os.environ.get(protocol.FORKABLE_DIR_ENV)
     found = []
     for name in sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []:
         try:
             with open(os.path.join(directory, name)) as entry:
                 registration = json.load(entry)
-            os.kill(int(registration["pid"]), 0)
+            os.kill(int(registration[protocol.REGISTERED_PID]), 0)
         except (OSError, ValueError, KeyError, TypeError):
             continue  # stale or garbage: its process is gone
         found.append(registration)
@@ -526,14 +528,14 @@ def followed_into(child_pid: object, registration: dict, sandbox_pid: int) -> bo
                      == os.readlink("/proc/%d/ns/mnt" % sandbox_pid))
     except (OSError, ValueError, TypeError, StopIteration):
         return False
-    return same_root and parent == int(registration["pid"]) and int(child_pid) != sandbox_pid
+    return same_root and parent == int(registration[protocol.REGISTERED_PID]) and int(child_pid) != sandbox_pid
 
 
 async def ask_to_follow(registration: dict, join_pid: int, env: dict) -> dict:
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(str(registration["socket"])), 5)
-        writer.write(frame({"op": "fork", "join_pid": join_pid, "env": env}))
+            asyncio.open_unix_connection(str(registration[protocol.REGISTERED_SOCKET])), 5)
+        writer.write(frame({protocol.OP: protocol.FORK, protocol.JOIN_PID: join_pid, protocol.FORK_ENV: env}))
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), FOLLOW_TIMEOUT)
         writer.close()
@@ -575,7 +577,7 @@ async def serve(socket_path: str, workdir: str, listen_fd: int) -> None:
     """Serve on the socket the engine bound for us (listen_fd), in a host directory no
     sandbox reaches. socket_path names the empty, read-only directory inside."""
     agent = Agent(socket_path, workdir)
-    forkable = os.environ.get("SANDBOX_FORKABLE_DIR")
+    forkable = os.environ.get(protocol.FORKABLE_DIR_ENV)
     if forkable:
         os.makedirs(forkable, mode=0o700, exist_ok=True)
     egress_port = os.environ.get("SANDBOX_EGRESS_PORT")

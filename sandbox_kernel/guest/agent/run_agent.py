@@ -4,7 +4,7 @@ every start, while an imported module comes from the bytecode the engine binds b
 it (local/bwrap.py `bytecode`): so the script is this handful of lines, and the agent's
 code, its protocol included, lives in agent.py. Stdlib only.
 
-    python -I -S run_agent.py SOCKET WORKDIR LISTEN_FD
+    python -I -S <mount>/<package>/agent/run_agent.py SOCKET WORKDIR LISTEN_FD
 """
 
 import ctypes
@@ -18,8 +18,12 @@ if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
 import os  # noqa: E402 - after the line above
 import sys  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script dir out
+# The agent is a module of the guest package mounted in the sandbox (<mount>/<package>/agent/):
+# the mount point goes on sys.path (-I leaves even the script's directory out).
+_package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(_package_dir))
 
-import agent  # noqa: E402 - needs the path above
+import importlib  # noqa: E402
 
+agent = importlib.import_module(os.path.basename(_package_dir) + ".agent.agent")
 sys.exit(agent.main(sys.argv))

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sandbox_kernel.guest import runner_protocol as protocol
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.kernel import magic_words
 from sandbox_kernel.kernel.magic_words import Word
 from sandbox_kernel.kernel.magics.egress import EGRESS_HELP, EGRESS_PARSER, EgressMagics

@@ -1,7 +1,7 @@
 """Forking the runner daemon into another sandbox: the one-shot op ``fork``.
 
-Uploaded next to runner.py (stdlib-only, Python 3.8+), which imports it as a sibling
-module. ``{"op": "fork", "join_pid": N | null, "dir": str | null, "env": {...}}`` forks the
+Part of the runner's bundle (stdlib-only, Python 3.8+); its words are protocol.py's
+("Following a fork"). ``{"op": "fork", "join_pid": N | null, "dir": str | null, "env": {...}}`` forks the
 daemon with os.fork(). The child carries the user's live interpreter state, joins the
 namespaces of process ``join_pid`` (a new sandbox prepared by someone else: the local
 engine's agent) and/or serves at ``dir``, and becomes an independent daemon; the parent
@@ -13,7 +13,7 @@ This module holds the process side of a fork: checking the request, forking with
 daemon's locks held, the parent's wait for the child's report, and the child's move into
 the new sandbox (namespaces, capabilities, open files, stale files of the parent). What
 the daemon re-creates of its own state in the child (cells, output threads, the socket)
-is the daemon's: it offers these to a fork (see runner.Daemon):
+is the daemon's: it offers these to a fork (see daemon.Daemon):
 
     daemon.state_dir, socket_path, ready_path, registration_path
     daemon.fork_locks() -> [(acquire, release), ...]   taken in this order around os.fork()
@@ -33,6 +33,8 @@ import signal
 import threading
 import time
 import warnings
+
+from .. import protocol
 
 FORK_READY_TIMEOUT = 30.0  # seconds a forked child has to report that it serves
 # Joined in this order: the user namespace first grants the capabilities for the others.
@@ -67,15 +69,15 @@ def fork(daemon, request: dict) -> dict:
 
 def _checked(request: dict) -> tuple:
     """(join_pid, new_dir, env) of a fork request, or ValueError saying what is wrong."""
-    join_pid = request.get("join_pid")
+    join_pid = request.get(protocol.JOIN_PID)
     if join_pid is not None and (not isinstance(join_pid, int) or isinstance(join_pid, bool) or join_pid <= 0):
         raise ValueError("join_pid must be a pid or null")
-    new_dir = request.get("dir")
+    new_dir = request.get(protocol.FORK_DIR)
     if new_dir is not None and (not isinstance(new_dir, str) or not new_dir):
         raise ValueError("dir must be a path or null")
     if join_pid is None and new_dir is None:
         raise ValueError("fork needs join_pid or dir: the child cannot serve at this daemon's DIR")
-    env = request.get("env") or {}  # what the local agent sends along for the new sandbox
+    env = request.get(protocol.FORK_ENV) or {}  # what the local agent sends along for the new sandbox
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise ValueError("env must map strings to strings")
     return join_pid, os.path.abspath(new_dir) if new_dir is not None else None, env
@@ -128,7 +130,7 @@ def _await_fork(pid: int, read_fd: int) -> dict:
         report = None
     if isinstance(report, dict) and report.get("ok") is True:
         threading.Thread(target=_reap, args=(pid,), name="reap-%d" % pid, daemon=True).start()
-        return {"ok": True, "child_pid": pid}
+        return {"ok": True, protocol.CHILD_PID: pid}
     if isinstance(report, dict) and report.get("error"):
         error = str(report["error"])
     elif b"\n" not in data and time.monotonic() >= deadline:

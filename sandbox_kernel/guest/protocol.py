@@ -1,12 +1,13 @@
-"""The words the kernel and its runner speak: request ops, event types and channel fields.
+"""The words the sandbox's programs and the host speak: request ops, event types, channel
+fields, and how a process follows a fork.
 
-Shared by both sides: the kernel imports it as sandbox_kernel.guest.runner_protocol, and the
-session uploads it next to runner.py, which imports it as a sibling module in the sandbox
-(stdlib-only, Python 3.8+, no imports, like runner.py). runner_client.py, which must start
-in a bare interpreter with built-in modules only, spells the few words it needs itself
-(its tests check that they match).
+One module for both sides: the kernel imports it as sandbox_kernel.guest.protocol; in a
+sandbox it is part of the runner's bundle (see bundle.py) and of the local engine's agent
+files (stdlib-only, Python 3.8+, no imports). runner/client.py, which must start in a bare
+interpreter with built-in modules only, spells the few words it needs itself (its tests
+check that they match).
 
-A request is one JSON object ``{"op": ..., ...}``. Over a channel (runner_client.py
+A request is one JSON object ``{"op": ..., ...}``. Over a channel (runner/client.py
 channel) every event line carries ``CELL`` (the cell's id, or null between cells) and its
 ``SEQ`` (numbered per cell, and per channel for the between-cell ones); a one-shot
 request that carries ``ID`` is answered by one line with ``REPLY`` set to it. A request
@@ -27,7 +28,7 @@ COMPLETE = "complete"
 INSPECT = "inspect"
 INFO = "info"
 SHUTDOWN = "shutdown"
-FORK = "fork"  # the local agent's, not the kernel's
+FORK = "fork"  # the local agent's, not the kernel's: see "Following a fork" below
 USAGE = "usage"  # the sandbox's CPU and memory, for usage_reply
 COMM_INFO = "comm_info"  # the comms open in the sandbox: target_name (optional)
 DEBUG = "debug"  # a frontend's DAP request (request) for the debugger; answered {"response": ...}
@@ -68,3 +69,18 @@ DONE = "done"  # the last event of a cell: status ok, error or unknown
 # Jupyter's comm messages, the only msg_type a comm message may have either way: a frontend's
 # delivered to the sandbox (RUN's comm), and the sandbox's COMM events to the frontend
 COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
+
+# Following a fork (the local engine): a process that can fork along with its sandbox (the
+# runner daemon) registers in the directory FORKABLE_DIR_ENV names, as <pid>.json holding
+# {REGISTERED_PID, REGISTERED_SOCKET}. The agent forking the sandbox sends each one
+# {OP: FORK, JOIN_PID, FORK_ENV} (or FORK_DIR, a directory to serve at, instead of
+# JOIN_PID) on that socket; it answers {"ok": true, CHILD_PID} once its copy serves in
+# the new sandbox, and the agent answers the engine {"ok": true, "pid": ..., FOLLOWERS}.
+FORKABLE_DIR_ENV = "SANDBOX_FORKABLE_DIR"
+REGISTERED_PID = "pid"
+REGISTERED_SOCKET = "socket"
+JOIN_PID = "join_pid"  # the new sandbox's agent, whose namespaces the fork joins
+FORK_DIR = "dir"
+FORK_ENV = "env"  # environment variables of the new sandbox
+CHILD_PID = "child_pid"
+FOLLOWERS = "followers"  # the pids of the processes that followed

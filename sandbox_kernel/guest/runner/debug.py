@@ -1,7 +1,7 @@
 """The debugger inside the sandbox: debugpy, started on demand, driven over DAP.
 
-Uploaded next to runner.py (stdlib-only at import, Python 3.8+); the daemon imports it as a
-sibling module. The kernel sends each DAP request of the frontend (JupyterLab's debugger
+Part of the runner's bundle (stdlib-only at import, Python 3.8+; debugpy is imported where
+the sandbox has it). The kernel sends each DAP request of the frontend (JupyterLab's debugger
 panel) as one ``debug`` op on its channel; ``Debugger.handle`` answers it with the DAP
 response, in one of the channel's request threads (never the main thread: that is where
 cells run and where the debuggee stops). DAP events go to ``emit_event`` (the daemon's

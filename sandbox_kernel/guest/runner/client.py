@@ -1,9 +1,9 @@
 """The runner's light client: hands requests to the runner daemon and relays its answers.
 
-    python3 -I -S runner_client.py run|request DIR B64JSON
-    python3 -I -S runner_client.py channel DIR [BACKGROUND_AFTER]
+    python3 -I -S client.py run|request DIR B64JSON
+    python3 -I -S client.py channel DIR [BACKGROUND_AFTER]
 
-`channel` is the relay of the kernel's duplex channel (sandbox_kernel/channel.py): started
+`channel` is the relay of the kernel's duplex channel (sandbox_kernel/sandbox/channel.py): started
 once as a managed process, it holds one connection to the daemon for the kernel's lifetime,
 copies each stdin line (a request) to it and everything it sends (tagged events, replies)
 to stdout. Stdout is flow-controlled: at most CHANNEL_WINDOW bytes are written ahead of
@@ -12,13 +12,14 @@ received), so the service's retained output window, which a slow reader would fa
 of, always holds what the kernel has not read yet. When the daemon closes the channel
 (it died), the relay says so in one {"error": ...} line and exits 1.
 
-The kernel uploads this file next to runner.py and starts it through the sandbox's exec
-API for every cell, interrupt, input answer and completion, so its start-up is part of
-every cell's latency. That is why it imports only modules compiled into the interpreter:
-json, base64 and socket are .py modules whose imports (re, enum, selectors...) cost more
-than starting the interpreter itself, and runner.py, at 1,500 lines, costs its compile
-time on every start (a script gets no .pyc). Measured in a sandbox on a 2-core machine:
-about 30 ms per request with this file, about 70 ms through runner.py.
+Part of the runner's bundle, but started by path as a script, never importing its package:
+where the sandbox has no managed processes the kernel starts it through the exec API for
+every cell, interrupt, input answer and completion, so its start-up is part of every
+cell's latency. That is why it imports only modules compiled into the interpreter: json,
+base64 and socket are .py modules whose imports (re, enum, selectors...) cost more than
+starting the interpreter itself, and the daemon's modules cost their imports on every
+start. Measured in a sandbox on a 2-core machine: about 30 ms per request with this file,
+about 70 ms through the daemon's code.
 
 B64JSON is base64 of the JSON request object, as the kernel encodes it (json.dumps). The
 client never parses it: it appends the command as "op" (last, so it wins, as a dict
@@ -33,10 +34,10 @@ import binascii
 import posix
 import sys
 
-# Words of runner_protocol.py, spelled here: this file imports built-in modules only.
-SOCKET_NAME = "runner.sock"  # as in runner.py
+# Words of protocol.py and daemon.py, spelled here: this file imports built-in modules only.
+SOCKET_NAME = "runner.sock"  # daemon.SOCKET_NAME
 COMMANDS = ("run", "request")
-USAGE = b"usage: runner_client.py run|request DIR B64JSON | channel DIR [BACKGROUND_AFTER]\n"
+USAGE = b"usage: client.py run|request DIR B64JSON | channel DIR [BACKGROUND_AFTER]\n"
 # Under the local engine's 8 MiB retained window per process, with room for one whole
 # chunk beyond it (a 256 KiB read) and the per-chunk cost. Each acknowledgement is an API
 # call through kernel, engine and agent: a wider window makes fewer of them (a 20 MiB
