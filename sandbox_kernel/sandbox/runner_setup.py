@@ -1,7 +1,8 @@
 """Starting the runner in a sandbox: upload its bundle, start its daemon, wait until it serves.
 
 The runner (guest/runner.py) is uploaded at every start and run as a daemon holding the
-user's globals, under a shell that records how it ended (how_runner_ended reads that).
+user's globals, under a warden (guest/runner_warden.py) that records how it ended and its
+peak memory (how_runner_ended reads that).
 Everything goes through SandboxClient (execs and file uploads), so the same code serves
 CreateOS and the local engine.
 """
@@ -13,11 +14,12 @@ import json
 import logging
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sandbox_kernel.api import ExecResponse, ExecResult, SandboxAPIError, SandboxClient
-from sandbox_kernel.guest import runner_bundle, runner_protocol as protocol
+from sandbox_kernel.guest import runner_bundle, runner_protocol as protocol, runner_warden
 from sandbox_kernel.sandbox.exec_transport import encode_arg
 
 log = logging.getLogger("sandbox_kernel.sandbox.runner_setup")
@@ -28,6 +30,8 @@ RUNNER_CLIENT_PATH = f"{RUNNER_DIR}/runner_client.py"
 # Uploaded at every runner start: the runner's bundle (the daemon, its modules, its light
 # client), whose hash the runner reports (runner_bundle.py).
 RUNNER_FILES = {f"{RUNNER_DIR}/{name}": Path(runner_bundle.__file__).with_name(name) for name in runner_bundle.FILES}
+WARDEN_PATH = f"{RUNNER_DIR}/runner_warden.py"
+RUNNER_FILES[WARDEN_PATH] = Path(runner_warden.__file__)
 SANDBOX_PYTHON = "python3"
 RUNNER_READY_TIMEOUT = 30.0
 READY_PROBE = 2.0  # seconds one readiness exec may wait in the sandbox
@@ -51,11 +55,12 @@ async def start_runner(client: SandboxClient, sandbox_id: str, new_sandbox: bool
     # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
     # the shutdown of a daemon that is not there.
     stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({protocol.OP: protocol.SHUTDOWN}))])
-    # Under a shell that records how the daemon ended (its exit status; 128+N: signal N),
-    # in a file named by that shell's pid, so that a daemon stopped earlier cannot answer for it.
+    # Under a warden that records how the daemon ended (its exit status; 128+N: signal N) and
+    # its peak memory, in a file named by the warden's pid, so that a daemon stopped earlier
+    # cannot answer for it.
     start = ("" if new_sandbox else f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; ") + (
-        f"nohup setsid sh -c '{SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR}; "
-        f"echo $? >{RUNNER_DIR}/runner.exit.$$' "
+        f"nohup setsid sh -c 'exec {SANDBOX_PYTHON} -I -S {WARDEN_PATH} {RUNNER_DIR}/runner.exit.$$ "
+        f"{SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR}' "
         f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
     # Readiness by short execs, none held longer than READY_PROBE (a gateway may cut
     # long ones); a runner that died (no python3, a crash) is reported at once. The
@@ -77,20 +82,46 @@ async def start_runner(client: SandboxClient, sandbox_id: str, new_sandbox: bool
     return info
 
 
-async def how_runner_ended(client: SandboxClient, sandbox_id: str) -> str | None:
-    """How the runner daemon ended, from its shell's record (written as it ends: waited
-    for briefly); None if unknown."""
+@dataclass(frozen=True)
+class RunnerEnd:
+    """How the runner daemon ended, as its warden recorded it."""
+
+    status: int  # exit code, or 128+N: killed by signal N
+    peak_mib: int | None  # the most memory it held (None: a record without it)
+
+    def killed_by(self, signum: int) -> bool:
+        return self.status == 128 + signum
+
+    def cause(self) -> str:
+        if self.status > 128 and (name := _signal_name(self.status - 128)):
+            return f"killed by {name}"
+        return f"exit code {self.status}"
+
+
+async def how_runner_ended(client: SandboxClient, sandbox_id: str) -> RunnerEnd | None:
+    """How the runner daemon ended, from its warden's record (written as it ends: waited
+    for briefly); None if unknown. The record is the sandbox's word: only two small
+    numbers are taken from it."""
     exit_file = f"{RUNNER_DIR}/runner.exit.$(cat {RUNNER_DIR}/runner.pid)"
     script = (f"i=0; while [ ! -f {exit_file} ] && [ $i -lt 100 ]; do sleep 0.01; i=$((i+1)); done; "
-              f"cat {exit_file}")
+              f"head -c 64 {exit_file}")
     try:
-        status = int((await client.exec(sandbox_id, "sh", ["-c", script])).result.stdout.strip())
+        return parse_runner_end((await client.exec(sandbox_id, "sh", ["-c", script])).result.stdout)
     except (SandboxAPIError, ValueError) as exc:
         log.warning("how the runner ended is not known: %s", exc)
         return None
-    if status > 128 and (name := _signal_name(status - 128)):
-        return f"killed by {name}"
-    return f"exit code {status}"
+
+
+def parse_runner_end(record: str) -> RunnerEnd:
+    """A warden's "STATUS PEAK_KIB" line (or an older runner's shell's "STATUS"); ValueError
+    if it is neither."""
+    fields = record.split()
+    if len(fields) not in (1, 2) or not all(field.isdecimal() and len(field) <= 12 for field in fields):
+        raise ValueError(f"not a runner's end: {record[:64]!r}")
+    status = int(fields[0])
+    if status > 255:
+        raise ValueError(f"not an exit status: {status}")
+    return RunnerEnd(status, int(fields[1]) // 1024 if len(fields) == 2 else None)
 
 
 def _check(response: ExecResponse, what: str = "sandbox command failed") -> ExecResult:
