@@ -2,7 +2,10 @@
 how it ended and the most memory it ever held, which its parent alone can learn (wait4's
 ru_maxrss: the daemon's peak resident size, its waited-for children's included).
 
-    python3 -I -S runner_warden.py RECORD COMMAND [ARG...]
+    python3 -I -S runner_warden.py RECORD SCRIPT [ARG...]
+
+runs SCRIPT with the warden's own interpreter (sys.executable: `python3` resolved once, which
+costs dearly where it is a shim), without -I -S.
 
 RECORD gets one line, "STATUS PEAK_KIB": STATUS is the exit code, or 128+N if signal N
 killed the daemon (as a shell says it). The kernel reads it when the daemon died
@@ -18,13 +21,13 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    record, command = argv[1], argv[2:]
+    record, script = argv[1], argv[2:]
     pid = os.fork()
     if pid == 0:
         try:
-            os.execvp(command[0], command)
+            os.execv(sys.executable, [sys.executable, *script])
         except OSError as exc:
-            print(f"runner_warden: {command[0]}: {exc}", file=sys.stderr, flush=True)
+            print(f"runner_warden: {sys.executable}: {exc}", file=sys.stderr, flush=True)
         os._exit(127)  # as a shell says "command not found"
     # A signal meant for the cell's processes (a cell's os.killpg(0, SIGINT)) must not end the
     # warden before the daemon: it would leave no record.

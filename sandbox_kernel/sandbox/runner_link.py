@@ -16,8 +16,8 @@ sandbox, so that switching back and forth does not pile relays up to the pids li
 
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import Any

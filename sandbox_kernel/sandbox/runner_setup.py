@@ -60,7 +60,7 @@ async def start_runner(client: SandboxClient, sandbox_id: str, new_sandbox: bool
     # cannot answer for it.
     start = ("" if new_sandbox else f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; ") + (
         f"nohup setsid sh -c 'exec {SANDBOX_PYTHON} -I -S {WARDEN_PATH} {RUNNER_DIR}/runner.exit.$$ "
-        f"{SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR}' "
+        f"{RUNNER_PATH} serve {RUNNER_DIR}' "
         f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
     # Readiness by short execs, none held longer than READY_PROBE (a gateway may cut
     # long ones); a runner that died (no python3, a crash) is reported at once. The
