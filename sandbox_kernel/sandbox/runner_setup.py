@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ RUNNER_READY_TIMEOUT = 30.0
 READY_PROBE = 2.0  # seconds one readiness exec may wait in the sandbox
 PROBE_INTERVAL = 0.01  # seconds between its looks for the runner's ready file
 NOT_READY_YET = 3  # its exit status when the runner is still starting
+# The warden's record: "STATUS PEAK_KIB" (ASCII digits, a sane size: the sandbox can rewrite it).
+RUNNER_END = re.compile(r"([0-9]{1,3})(?: ([0-9]{1,12}))?\n?")
 
 
 def runner_client(*args: str) -> list[str]:
@@ -115,13 +118,10 @@ async def how_runner_ended(client: SandboxClient, sandbox_id: str) -> RunnerEnd 
 def parse_runner_end(record: str) -> RunnerEnd:
     """A warden's "STATUS PEAK_KIB" line (or an older runner's shell's "STATUS"); ValueError
     if it is neither."""
-    fields = record.split()
-    if len(fields) not in (1, 2) or not all(field.isdecimal() and len(field) <= 12 for field in fields):
+    found = RUNNER_END.fullmatch(record)
+    if found is None or int(found[1]) > 255:
         raise ValueError(f"not a runner's end: {record[:64]!r}")
-    status = int(fields[0])
-    if status > 255:
-        raise ValueError(f"not an exit status: {status}")
-    return RunnerEnd(status, int(fields[1]) // 1024 if len(fields) == 2 else None)
+    return RunnerEnd(int(found[1]), int(found[2]) // 1024 if found[2] else None)
 
 
 def _check(response: ExecResponse, what: str = "sandbox command failed") -> ExecResult:
