@@ -55,7 +55,7 @@ class Boot:
         self.session.on_background = self.kernel.events.background_event
         self.session.on_runner_died = self.kernel.shutdown.runner_died_between_cells
         handoff = self.kernel.handoff.take()
-        if handoff:  # a restart: same sandbox, fresh Python, same shutdown policy and sandboxes
+        if handoff:  # a restart: same sandbox, fresh Python (see hand_off), same shutdown policy and sandboxes
             for sandbox_id in handoff.get("owned", []):
                 ownership.own(sandbox_id)
             await self.session.start(attach_to=handoff["sandbox_id"],

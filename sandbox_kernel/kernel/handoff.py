@@ -4,7 +4,8 @@ jupyter_client restarts a kernel by starting a new process on the same connectio
 old one writes a private file beside it (paths.handoff_path): the sandbox it drove, its
 shutdown policy and the sandboxes it owns; the new one takes (and deletes) the file at boot
 and starts a fresh runner in that sandbox, so a restart keeps the files and loses the
-Python state, as a restart of a local kernel does.
+Python state, as a restart of a local kernel does. After a runner's death the old process
+hands off the same way (kernel/shutdown.py: die_with_the_runner).
 """
 
 from __future__ import annotations
