@@ -187,7 +187,8 @@ def test_a_kernel_that_dies_with_nobody_to_restart_it_leaves_its_sandbox_as_its_
         kc = km.client()
         kc.start_channels()
         kc.wait_for_ready(timeout=TIMEOUT)
-        sandbox_id = execute(kc, WRITE_AND_NAME + DIE_AFTER_THE_CELL).text().strip()
+        sandbox_id = execute(kc, WRITE_AND_NAME).text().strip()
+        kc.execute(KILL_ITSELF)
         assert ended(km)
         kc.stop_channels()
         # Nobody restarts it: the sandbox is kept, as `on_shutdown keep` asked, for `ls` and `gc` alike.
