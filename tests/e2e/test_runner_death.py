@@ -24,6 +24,7 @@ from nbclient.exceptions import DeadKernelError
 
 from cli_helpers import cli
 from engine_helpers import sandbox_status
+from fault_proxy import proxied_engine
 from kernel_helpers import TIMEOUT, execute
 from message_spec import validate
 from sandbox_kernel.api import SandboxStatus
@@ -134,6 +135,31 @@ def test_a_python_that_dies_between_cells_ends_the_kernel_without_a_next_cell(ke
         kc.stop_channels()
     finally:
         km.shutdown_kernel(now=True)
+
+
+def test_without_a_channel_a_death_between_cells_is_found_by_the_next_cell(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A provider without managed processes (one exec per cell): nothing follows the Python
+    between cells, so its death is found by the next cell, which says it as for a death in a cell."""
+    km = KernelManager(kernel_name=kernelspec)
+    with proxied_engine(engine, monkeypatch, refuse_processes=True):
+        km.start_kernel()
+        try:
+            kc = km.client()
+            kc.start_channels()
+            kc.wait_for_ready(timeout=TIMEOUT)
+            armed = execute(kc, "print('armed')" + DIE_AFTER_THE_CELL)
+            assert armed.reply["content"]["status"] == "ok", armed.text("stderr")
+            time.sleep(3)  # the Python ends meanwhile (half a second after its cell)
+            assert km.is_alive()
+            next_cell = kc.execute("print('never run')")
+            assert ended(km)
+            said = [msg for msg in iopub_left(kc) if msg["msg_type"] == "stream"]
+            assert [(msg["content"]["name"], msg["content"]["text"]) for msg in said] == [("stderr", SAID_EXIT_3)]
+            assert said[0]["parent_header"]["msg_id"] == next_cell
+            kc.stop_channels()
+        finally:
+            km.shutdown_kernel(now=True)
 
 
 def test_an_auto_restarter_restarts_a_kernel_whose_python_died_into_the_same_sandbox(kernelspec: str) -> None:
