@@ -132,7 +132,7 @@ class SandboxSession:
         # The death being explained (_runner_died): one look at the sandbox per death, which
         # a cell and the channel's news may both ask about.
         self._death: tuple[RunnerTransportError, asyncio.Future[SessionError]] | None = None
-        self._death_news: asyncio.Task[None] | None = None
+        self._death_news: asyncio.Task[None] | None = None  # telling the kernel (held: a task needs a reference)
 
     def keep(self, sandbox_id: str) -> None:
         """Hand a sandbox of this notebook off (`%sandbox keep`): no kernel destroys it, `gc`
