@@ -53,11 +53,13 @@ class Boot:
             raise SessionError(self.config_error or "invalid configuration")
         self.session = SandboxSession(self.settings)
         self.session.on_background = self.kernel.events.background_event
+        self.session.on_runner_died = self.kernel.shutdown.runner_died_between_cells
         handoff = self.kernel.handoff.take()
-        if handoff:  # a restart: same sandbox, fresh Python, same shutdown policy and sandboxes
+        if handoff:  # a restart: same sandbox, fresh Python (see hand_off), same shutdown policy and sandboxes
             for sandbox_id in handoff.get("owned", []):
                 ownership.own(sandbox_id)
-            await self.session.start(attach_to=handoff["sandbox_id"], fresh_runner=True)
+            await self.session.start(attach_to=handoff["sandbox_id"],
+                                     fresh_runner=handoff.get("fresh_runner", True) is not False)
             self.session.set_on_shutdown(handoff.get("on_shutdown", "destroy"))
         else:
             await self.session.start(attach_to=self.settings.attach_to, fresh_runner=False,

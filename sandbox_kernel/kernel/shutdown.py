@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Never
 
+from sandbox_kernel.sandbox.errors import RunnerDied
 from sandbox_kernel.sandbox.shutdown_policy import farewell
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class Shutdown:
         # execute_requests handled and not answered yet, on any thread (see _replies_sent).
         self.unanswered = 0
         self.unanswered_lock = threading.Lock()
+        self.dying = False  # the runner died: this process is ending (die_with_the_runner)
 
     def stopping_line(self) -> str:
         return f"the kernel is {self.stopping or 'shutting down'}: the cell did not run"
@@ -83,23 +85,40 @@ class Shutdown:
             self.kernel.send_response(self.kernel.iopub_socket, "stream", {"name": "stderr", "text": text},
                                       channel="control")
 
-    async def die_with_the_runner(self, why: str) -> Never:
+    async def runner_died_between_cells(self, died: RunnerDied) -> None:
+        """The channel learnt that the Python died while no cell ran (a background thread's
+        os._exit, the OOM killer): the kernel ends at once, its line on the last cell's
+        parent (where that Python's background output goes), as for a death in a cell."""
+        if self.stopping is None:  # else a shutdown or restart is under way: its end is ours
+            last_cell = self.kernel.events.last_cell
+            await self.die_with_the_runner(str(died), parent=last_cell.parent if last_cell else {})
+
+    async def die_with_the_runner(self, why: str, parent: dict[str, Any] | None = None) -> Never:
         """The notebook's Python died: end this kernel process as a kernel whose Python dies
         ends, so that every frontend knows the state is gone (JupyterLab restarts the kernel,
-        nbclient raises DeadKernelError). The cell says why; it gets no reply, as under
-        ipykernel. The sandbox is handed to the restarted kernel (the restart hand-off), which
-        starts a fresh Python in it: the files are kept; with no restart it is left to `gc`."""
+        nbclient raises DeadKernelError). The cell (or `parent`) says why; a cell gets no
+        reply, as under ipykernel. The sandbox is handed to the restarted kernel (the restart
+        hand-off), which starts a Python in it: the files are kept; with no restart the
+        shutdown policy holds (session.close_for_restart). Called again (a cell and the
+        channel both learnt the death), it only waits for the end."""
         kernel = self.kernel
-        log.warning("%s", why)
-        kernel.send_iopub("stream", {"name": "stderr", "text": f"sandbox-kernel: {why}\n"})
-        self.stopping = "restarting"
-        assert kernel.sandbox is not None
-        await kernel.handoff.hand_off(kernel.sandbox)
+        if not self.dying:
+            self.dying = True
+            log.warning("%s", why)
+            kernel.session.send(kernel.iopub_socket, "stream", {"name": "stderr", "text": f"sandbox-kernel: {why}\n"},
+                                kernel.request_parent() if parent is None else parent)
+            self.stopping = "restarting"
+            assert kernel.sandbox is not None
+            await kernel.handoff.hand_off(kernel.sandbox, fresh_runner=False)
+            self._end_process()
+        await asyncio.Event().wait()  # this cell ends with the process
+        raise AssertionError("unreachable")
+
+    def _end_process(self) -> None:
         # As ipykernel's shutdown_request ends the process: its loops stop, then atexit sends
         # what IOPub still holds (the line above).
+        kernel = self.kernel
         for stream in (kernel.control_stream, kernel.shell_stream):
             if stream is not None:
                 stream.io_loop.add_callback(stream.io_loop.stop)
         kernel.io_loop.add_callback(kernel.io_loop.stop)
-        await asyncio.Event().wait()  # this cell ends with the process
-        raise AssertionError("unreachable")

@@ -21,7 +21,8 @@ runner_client` in a cell, the OOM killer; or crashed) says nothing about its dae
 usually lives on: a new relay is started in its place, and the cell in flight is asked for
 again with `after` its last event, so the daemon sends only what the kernel has not seen
 (variables and all are kept). A relay's own verdict ({"error": ...}: the daemon closed the
-connection or cannot be reached) ends the channel as a runner death.
+connection or cannot be reached) ends the channel as a runner death, which the channel's
+owner hears at once (on_runner_gone), between cells too.
 
 Bounds: the relay's stdout is sandbox-controlled (code in the sandbox can replace the
 relay file). Lines are cut with BoundedLines (an unterminated line is counted, never
@@ -164,12 +165,16 @@ class RunnerChannel:
     RunnerTransport (transport.py)."""
 
     def __init__(self, transport: ProcessTransport, relay_args: Callable[[int], list[str]], line_limit: int,
-                 on_background: EventHandler, *, background_seq: int = 0) -> None:
+                 on_background: EventHandler, *, background_seq: int = 0,
+                 on_runner_gone: Callable[[RunnerTransportError], None] | None = None) -> None:
         self.transport = transport
         self.relay_args = relay_args  # the relay's arguments, given the background seq to follow after
         self.line_limit = line_limit
         self.on_background = on_background
         self.background_seq = background_seq
+        # Told (once) when the channel ends because the runner died or its sandbox went,
+        # whether or not a request was waiting: a death between cells is learnt at once.
+        self.on_runner_gone = on_runner_gone
         self.process_id = ""
         self.failure: RunnerTransportError | None = None  # why the channel ended, once it has
         self._reading = _Reading()
@@ -418,12 +423,16 @@ class RunnerChannel:
             await self.on_background(event)
 
     def _end(self, failure: RunnerTransportError) -> None:
-        """The channel is over: everything waiting on it hears why."""
-        if self.failure is None:
-            self.failure = failure
+        """The channel is over: everything waiting on it hears why (and, if the runner is
+        gone, on_runner_gone)."""
+        if self.failure is not None:
+            return
+        self.failure = failure
         for follow in self._cells.values():
             if not follow.done.done():
                 follow.done.set_exception(self.failure)
         for reply in self._replies.values():
             if not reply.done():
                 reply.set_exception(self.failure)
+        if failure.runner_gone and self.on_runner_gone is not None:
+            self.on_runner_gone(failure)

@@ -2,7 +2,7 @@
 
 A stream event's text is most of what a busy cell sends, and publishing it on IOPub would
 encode it to JSON a second time (jupyter_client's packer), after the runner already did.
-The runner writes a stream event's ``text`` as its last field (runner_protocol), so the
+The runner writes a stream event's ``text`` as its last field (guest/protocol.py), so the
 kernel keeps that field's JSON string as it came and builds the message content around it
 (``stream_content``): the text is decoded once (to count it and to check it), where it
 lies in the line, and never encoded again. A line from the sandbox is never trusted: the

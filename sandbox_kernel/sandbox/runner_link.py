@@ -5,7 +5,9 @@ managed process (channel.py) where the provider has managed processes, else one 
 request (exec_transport.py). Whether it has them is learnt once, at the first runner start,
 and kept. A channel whose connection was lost for good is opened again before the next
 request (the runner lives on, with its state); one whose runner died says so
-(RunnerTransportError with runner_gone), for the session to report.
+(RunnerTransportError with runner_gone), for the session to report, and tells the session
+at once (on_runner_gone), between cells too, unless the death is one the session asked for
+(a runner being replaced, a shutdown).
 
 A relay left in a paused sandbox cannot be ended there (a paused sandbox refuses the kill:
 a fork switched to, another sandbox attached): it is ended once this kernel resumes that
@@ -14,8 +16,9 @@ sandbox, so that switching back and forth does not pile relays up to the pids li
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import Any
 
@@ -24,12 +27,14 @@ from sandbox_kernel.sandbox.channel import ChannelUnavailable, RunnerChannel, Sa
 from sandbox_kernel.sandbox.errors import SessionError
 from sandbox_kernel.sandbox.exec_transport import ExecStreaming, ExecTransport
 from sandbox_kernel.sandbox.runner_setup import RUNNER_DIR, SANDBOX_PYTHON, runner_client
-from sandbox_kernel.sandbox.transport import EventHandler, RunnerTransport
+from sandbox_kernel.sandbox.transport import EventHandler, RunnerTransport, RunnerTransportError
 
 log = logging.getLogger("sandbox_kernel.sandbox.runner_link")
 
 # Where requests go: the session's client and its current sandbox (SessionError: none yet).
 Where = Callable[[], tuple[SandboxClient, str]]
+# Told that the runner died (or its sandbox went) without a request in hand to say it.
+RunnerGone = Callable[[RunnerTransportError], None]
 
 
 def channel_to(client: SandboxClient, sandbox_id: str, line_limit: int, on_background: EventHandler,
@@ -58,10 +63,11 @@ class RunnerLink:
     """The session's way to its runner; see the module docstring."""
 
     def __init__(self, where: Where, line_limit: int, on_background: EventHandler, *,
-                 opens_channels: bool = True) -> None:
+                 opens_channels: bool = True, on_runner_gone: RunnerGone | None = None) -> None:
         self._where = where
         self._line_limit = line_limit  # of one event line from the sandbox
         self._on_background = on_background
+        self._on_runner_gone = on_runner_gone
         # False for a session that only prepares a sandbox for another to drive: that one
         # opens the channel, on its own event loop.
         self._opens_channels = opens_channels
@@ -73,6 +79,9 @@ class RunnerLink:
         # Set once shutdown or a restart hand-off begins: a cell still running then must not
         # open a channel the closing session would leave reading on a closed client.
         self._closing = False
+        # Set while the session starts a new runner in place of the one the channel reaches
+        # (`%sandbox attach --restart-runner`): the old one's end is no death.
+        self._replacing_runner = False
 
     @property
     def has_channel(self) -> bool:
@@ -95,6 +104,7 @@ class RunnerLink:
             return
         client, sandbox_id = self._where()
         channel = channel_to(client, sandbox_id, self._line_limit, self._on_background, background_seq)
+        channel.on_runner_gone = lambda failure: self._runner_gone(channel, failure)  # knows its channel
         try:
             await channel.open()
             if self._closing:
@@ -111,6 +121,22 @@ class RunnerLink:
         self._channel, self._channel_sandbox = channel, sandbox_id
         if old is not None and not await old.close():
             self._paused_relays.setdefault(old_sandbox, []).append(old)
+
+    @contextlib.contextmanager
+    def replacing_runner(self) -> Iterator[None]:
+        """While a new runner is started in place of the one the channel reaches."""
+        self._replacing_runner = True
+        try:
+            yield
+        finally:
+            self._replacing_runner = False
+
+    def _runner_gone(self, channel: RunnerChannel, failure: RunnerTransportError) -> None:
+        """A channel's runner died: news for the session if it is the runner it drives and
+        nobody asked for its end."""
+        if (channel is self._channel and not self._closing and not self._replacing_runner
+                and self._on_runner_gone is not None):
+            self._on_runner_gone(failure)
 
     async def ensure_up(self) -> None:
         """Before a request: a channel that lost its connection is opened again; one whose

@@ -1,7 +1,8 @@
 """Starting the runner in a sandbox: upload its bundle, start its daemon, wait until it serves.
 
 The runner (guest/runner.py) is uploaded at every start and run as a daemon holding the
-user's globals, under a shell that records how it ended (how_runner_ended reads that).
+user's globals, under a warden (guest/runner/warden.py) that records how it ended and its
+peak memory (how_runner_ended reads that).
 Everything goes through SandboxClient (execs and file uploads), so the same code serves
 CreateOS and the local engine.
 """
@@ -11,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +29,16 @@ RUNNER_DIR = "/tmp/sandbox-kernel"
 RUNNER_PATH = bundle.runner_path(RUNNER_DIR)
 RUNNER_CLIENT_PATH = bundle.client_path(RUNNER_DIR)
 # Uploaded at every runner start: the runner's bundle (the daemon, its modules, its light
-# client), whose hash the runner reports (guest/bundle.py).
+# client, the warden it runs under), whose hash the runner reports (guest/bundle.py).
 RUNNER_FILES = {f"{RUNNER_DIR}/{path}": Path(source) for path, source in bundle.runner_files().items()}
+WARDEN_PATH = f"{bundle.runner_path(RUNNER_DIR)}/warden.py"
 SANDBOX_PYTHON = "python3"
 RUNNER_READY_TIMEOUT = 30.0
 READY_PROBE = 2.0  # seconds one readiness exec may wait in the sandbox
 PROBE_INTERVAL = 0.01  # seconds between its looks for the runner's ready file
 NOT_READY_YET = 3  # its exit status when the runner is still starting
+# The warden's record: "STATUS PEAK_KIB" (ASCII digits, a sane size: the sandbox can rewrite it).
+RUNNER_END = re.compile(r"([0-9]{1,3})(?: ([0-9]{1,12}))?\n?")
 
 
 def runner_client(*args: str) -> list[str]:
@@ -51,11 +57,12 @@ async def start_runner(client: SandboxClient, sandbox_id: str, new_sandbox: bool
     # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
     # the shutdown of a daemon that is not there.
     stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({protocol.OP: protocol.SHUTDOWN}))])
-    # Under a shell that records how the daemon ended (its exit status; 128+N: signal N),
-    # in a file named by that shell's pid, so that a daemon stopped earlier cannot answer for it.
+    # Under a warden that records how the daemon ended (its exit status; 128+N: signal N) and
+    # its peak memory, in a file named by the warden's pid, so that a daemon stopped earlier
+    # cannot answer for it.
     start = ("" if new_sandbox else f"{stop_old} >/dev/null 2>&1; rm -f {RUNNER_DIR}/ready; ") + (
-        f"nohup setsid sh -c '{SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR}; "
-        f"echo $? >{RUNNER_DIR}/runner.exit.$$' "
+        f"nohup setsid sh -c 'exec {SANDBOX_PYTHON} -I -S {WARDEN_PATH} {RUNNER_DIR}/runner.exit.$$ "
+        f"{RUNNER_PATH} serve {RUNNER_DIR}' "
         f"</dev/null >{RUNNER_DIR}/runner.log 2>&1 & echo $! >{RUNNER_DIR}/runner.pid")
     # Readiness by short execs, none held longer than READY_PROBE (a gateway may cut
     # long ones); a runner that died (no python3, a crash) is reported at once. The
@@ -77,20 +84,43 @@ async def start_runner(client: SandboxClient, sandbox_id: str, new_sandbox: bool
     return info
 
 
-async def how_runner_ended(client: SandboxClient, sandbox_id: str) -> str | None:
-    """How the runner daemon ended, from its shell's record (written as it ends: waited
-    for briefly); None if unknown."""
+@dataclass(frozen=True)
+class RunnerEnd:
+    """How the runner daemon ended, as its warden recorded it."""
+
+    status: int  # exit code, or 128+N: killed by signal N
+    peak_mib: int | None  # the most memory it held (None: a record without it)
+
+    def killed_by(self, signum: int) -> bool:
+        return self.status == 128 + signum
+
+    def cause(self) -> str:
+        if self.status > 128 and (name := _signal_name(self.status - 128)):
+            return f"killed by {name}"
+        return f"exit code {self.status}"
+
+
+async def how_runner_ended(client: SandboxClient, sandbox_id: str) -> RunnerEnd | None:
+    """How the runner daemon ended, from its warden's record (written as it ends: waited
+    for briefly); None if unknown. The record is the sandbox's word: only two small
+    numbers are taken from it."""
     exit_file = f"{RUNNER_DIR}/runner.exit.$(cat {RUNNER_DIR}/runner.pid)"
     script = (f"i=0; while [ ! -f {exit_file} ] && [ $i -lt 100 ]; do sleep 0.01; i=$((i+1)); done; "
-              f"cat {exit_file}")
+              f"head -c 64 {exit_file}")
     try:
-        status = int((await client.exec(sandbox_id, "sh", ["-c", script])).result.stdout.strip())
+        return parse_runner_end((await client.exec(sandbox_id, "sh", ["-c", script])).result.stdout)
     except (SandboxAPIError, ValueError) as exc:
         log.warning("how the runner ended is not known: %s", exc)
         return None
-    if status > 128 and (name := _signal_name(status - 128)):
-        return f"killed by {name}"
-    return f"exit code {status}"
+
+
+def parse_runner_end(record: str) -> RunnerEnd:
+    """A warden's "STATUS PEAK_KIB" line (or an older runner's shell's "STATUS"); ValueError
+    if it is neither."""
+    found = RUNNER_END.fullmatch(record)
+    if found is None or int(found[1]) > 255:
+        raise ValueError(f"not a runner's end: {record[:64]!r}")
+    return RunnerEnd(int(found[1]), int(found[2]) // 1024 if found[2] else None)
 
 
 def _check(response: ExecResponse, what: str = "sandbox command failed") -> ExecResult:

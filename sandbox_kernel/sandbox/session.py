@@ -17,8 +17,9 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -108,7 +109,7 @@ class SandboxSession:
         self._refill_pool = refill_pool
         # How requests reach the runner (runner_link.py).
         self.link = RunnerLink(self._require, settings.output_limit + EVENT_LINE_SLACK, self._background_event,
-                               opens_channels=open_channel)
+                               opens_channels=open_channel, on_runner_gone=self._runner_gone)
         # What shutdown does to every sandbox this kernel owns (ownership.py); a sandbox
         # it only attached to is its owner's business.
         self.on_shutdown = "destroy"
@@ -125,6 +126,13 @@ class SandboxSession:
         # Output the runner sends between cells (a background thread's print): the kernel
         # shows it on the last cell's parent.
         self.on_background: EventHandler | None = None
+        # A runner death the channel learnt with no cell to raise it in (between cells): the
+        # kernel ends as for a death in a cell. (The exec fallback learns it at the next cell.)
+        self.on_runner_died: Callable[[RunnerDied], Awaitable[None]] | None = None
+        # The death being explained (_runner_died): one look at the sandbox per death, which
+        # a cell and the channel's news may both ask about.
+        self._death: tuple[RunnerTransportError, asyncio.Future[SessionError]] | None = None
+        self._death_news: asyncio.Task[None] | None = None  # telling the kernel (held: a task needs a reference)
 
     def keep(self, sandbox_id: str) -> None:
         """Hand a sandbox of this notebook off (`%sandbox keep`): no kernel destroys it, `gc`
@@ -340,8 +348,9 @@ class SandboxSession:
         """Start a runner in this sandbox (runner_setup.py; an older one is stopped first,
         none in a new_sandbox) and reach it."""
         client, sandbox_id = self._require()
-        self.runner_info = await runner_setup.start_runner(client, sandbox_id, new_sandbox)
-        await self.link.connect()
+        with self.link.replacing_runner():  # the old runner's end is ours, not a death
+            self.runner_info = await runner_setup.start_runner(client, sandbox_id, new_sandbox)
+            await self.link.connect()
 
     @property
     def has_channel(self) -> bool:
@@ -583,21 +592,51 @@ class SandboxSession:
         except RunnerTransportError as exc:
             raise await self._runner_died(exc) from None
 
-    async def _runner_died(self, exc: Exception) -> SessionError:
-        """Why the runner died, as a RunnerDied for the kernel to say before it restarts (as a
-        kernel whose Python dies is restarted): the memory limit, if the sandbox's OOM kill
-        count went up, else the signal or exit code its shell recorded. A sandbox that is
-        gone says so instead (no runner can start there again)."""
+    def _runner_gone(self, failure: RunnerTransportError) -> None:
+        """The channel's news that the runner died, maybe between cells: the kernel hears why
+        (on_runner_died) without waiting for a next cell. A sandbox that went is left to the
+        next cell to say (SessionError)."""
+        self._death_news = asyncio.get_running_loop().create_task(self._tell_death(failure))
+
+    async def _tell_death(self, failure: RunnerTransportError) -> None:
+        try:
+            error = await self._runner_died(failure)
+        except (SandboxAPIError, SessionError, OSError) as exc:  # the next request says it
+            log.warning("the runner died, and why is not known: %s", exc)
+            return
+        if isinstance(error, RunnerDied) and self.on_runner_died is not None:
+            await self.on_runner_died(error)
+
+    async def _runner_died(self, exc: RunnerTransportError) -> SessionError:
+        """Why the runner died (once per death, however many ask), as a RunnerDied for the
+        kernel to say before it restarts (as a kernel whose Python dies is restarted)."""
+        if self._death is None or self._death[0] is not exc:
+            self._death = (exc, asyncio.ensure_future(self._why_runner_died(exc)))
+        return await asyncio.shield(self._death[1])
+
+    async def _why_runner_died(self, exc: RunnerTransportError) -> SessionError:
+        """The memory limit, if the sandbox's OOM kill count went up (the local engine counts
+        them), else the signal or exit code its warden recorded. With the most memory the
+        Python held, if the warden recorded it, where memory may be why: killed at the limit,
+        or by SIGKILL (what an OOM killer sends) where the provider counts no OOM kills
+        (CreateOS). A sandbox that is gone says so instead (no runner can start there again)."""
         log.warning("the runner died: %s", exc)
         client, sandbox_id = self._require()
         seen = self._oom_kills.get(sandbox_id, 0)
         view = await self.view()
         if view.status.is_gone:
             return _sandbox_gone(view)
+        end = await runner_setup.how_runner_ended(client, sandbox_id)
         if (view.oom_kills or 0) > seen:
             cause = f"killed at the memory limit of {view.mem_mib} MiB"
+            if end is not None and end.peak_mib is not None:
+                cause += f", its peak {end.peak_mib} MiB"
+        elif end is not None:
+            cause = end.cause()
+            if end.killed_by(signal.SIGKILL) and view.oom_kills is None and end.peak_mib is not None:
+                cause += f", its peak {end.peak_mib} MiB of the {view.mem_mib} MiB limit"
         else:
-            cause = await runner_setup.how_runner_ended(client, sandbox_id) or str(exc)
+            cause = str(exc)
         return RunnerDied(f"the Python in the sandbox died ({cause}); the kernel restarts in the same "
                           "sandbox: variables and imports are gone, files are kept")
 
@@ -657,9 +696,16 @@ class SandboxSession:
 
     async def close_for_restart(self) -> list[str]:
         """A kernel restart: everything this kernel owns waits for its successor (which
-        takes them over from the restart hand-off file); return those ids."""
+        takes them over from the restart hand-off file); return those ids. Should none come
+        (a kernel that died with its Python and no restarter), the shutdown policy holds:
+        under `pause` or `keep` they are kept at once (running: the successor needs them so,
+        and their auto-pause pauses them), under `destroy` they become orphans for `gc`."""
         owned = ownership.owned_here()
-        ownership.await_successor(owned, RESTART_HANDOFF_WAIT)
+        if self.on_shutdown == "destroy":
+            ownership.await_successor(owned, RESTART_HANDOFF_WAIT)
+        else:
+            for sandbox_id in owned:
+                ownership.keep(sandbox_id)  # the successor owns them again (boot.py)
         self.link.begin_closing()
         await self._stop_refill()
         await self.link.close(kill=False)  # the successor's new runner ends it

@@ -1,21 +1,34 @@
 """When the notebook's Python (the runner in the sandbox) dies, frontends learn that the state
 is gone as they do when ipykernel's Python dies: the kernel process ends (nbclient raises
 DeadKernelError; JupyterLab's restarter starts the kernel again), after saying in the cell
-why the Python died. The restarted kernel drives the same sandbox with a fresh Python: the
-files are kept. (The memory limit's cause: tests/e2e/test_limits_kernel.py.)
+why the Python died, whether it died in a cell or between cells (a background thread's
+os._exit: the kernel ends at once, its line on the last cell). The restarted kernel drives
+the same sandbox with a fresh Python: the files are kept; with no restarter, the shutdown
+policy holds. (The memory limit's cause: tests/e2e/test_limits_kernel.py.)
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import queue
 import time
+from typing import Any
 
 import nbformat
 import pytest
 from jupyter_client import KernelManager
+from jupyter_client.ioloop import AsyncIOLoopKernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
+from cli_helpers import cli
+from engine_helpers import sandbox_status
+from fault_proxy import proxied_engine
 from kernel_helpers import TIMEOUT, execute
+from message_spec import validate
+from sandbox_kernel.api import SandboxStatus
+from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel]
 
@@ -24,6 +37,26 @@ WRITE_AND_NAME = ("import os\nopen('/workspace/kept.txt', 'w').write('still here
                   "state = 'lost'\nprint(os.environ['SANDBOX_ID'])")
 SAID_SIGKILL = ("sandbox-kernel: the Python in the sandbox died (killed by SIGKILL); the kernel restarts in "
                 "the same sandbox: variables and imports are gone, files are kept\n")
+SAID_EXIT_3 = ("sandbox-kernel: the Python in the sandbox died (exit code 3); the kernel restarts in "
+               "the same sandbox: variables and imports are gone, files are kept\n")
+# A thread that ends the Python once its cell is over (the cell's frames have left the main
+# thread, and its reply has had half a second to go): a death between cells.
+DIE_AFTER_THE_CELL = """
+import os, sys, threading, time
+def _die_after(cell_file, main=threading.main_thread().ident):
+    def running():
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code.co_filename == cell_file:
+                return True
+            frame = frame.f_back
+        return False
+    while running():
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os._exit(3)
+threading.Thread(target=_die_after, args=(sys._getframe().f_code.co_filename,), daemon=True).start()
+"""
 
 
 def test_nbclient_sees_a_dead_kernel_and_the_cell_says_why(kernelspec: str) -> None:
@@ -63,3 +96,133 @@ def test_a_restarted_kernel_drives_the_same_sandbox_with_a_fresh_python(kernelsp
         kc.stop_channels()
     finally:
         km.shutdown_kernel(now=True)
+
+
+def ended(km: KernelManager) -> bool:
+    """Whether the kernel process ends on its own (within TIMEOUT)."""
+    deadline = time.monotonic() + TIMEOUT
+    while km.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not km.is_alive()
+
+
+def iopub_left(kc: Any) -> list[dict[str, Any]]:
+    """The IOPub messages a frontend received and had not read yet (all validated)."""
+    messages = []
+    while True:
+        try:
+            msg = kc.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            return messages
+        validate(msg)
+        messages.append(msg)
+
+
+def test_a_python_that_dies_between_cells_ends_the_kernel_without_a_next_cell(kernelspec: str) -> None:
+    km = KernelManager(kernel_name=kernelspec)
+    km.start_kernel()
+    try:
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=TIMEOUT)
+        armed = execute(kc, "print('armed')" + DIE_AFTER_THE_CELL)
+        assert armed.reply["content"]["status"] == "ok", armed.text("stderr")
+        assert armed.text() == "armed\n"
+        assert ended(km)  # no other request was sent
+        said = [msg for msg in iopub_left(kc) if msg["msg_type"] == "stream"]
+        assert [(msg["content"]["name"], msg["content"]["text"]) for msg in said] == [("stderr", SAID_EXIT_3)]
+        assert said[0]["parent_header"]["msg_id"] == armed.reply["parent_header"]["msg_id"]  # the last cell
+        kc.stop_channels()
+    finally:
+        km.shutdown_kernel(now=True)
+
+
+def test_without_a_channel_a_death_between_cells_is_found_by_the_next_cell(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A provider without managed processes (one exec per cell): nothing follows the Python
+    between cells, so its death is found by the next cell, which says it as for a death in a cell."""
+    km = KernelManager(kernel_name=kernelspec)
+    with proxied_engine(engine, monkeypatch, refuse_processes=True):
+        km.start_kernel()
+        try:
+            kc = km.client()
+            kc.start_channels()
+            kc.wait_for_ready(timeout=TIMEOUT)
+            armed = execute(kc, "print('armed')" + DIE_AFTER_THE_CELL)
+            assert armed.reply["content"]["status"] == "ok", armed.text("stderr")
+            time.sleep(3)  # the Python ends meanwhile (half a second after its cell)
+            assert km.is_alive()
+            next_cell = kc.execute("print('never run')")
+            assert ended(km)
+            said = [msg for msg in iopub_left(kc) if msg["msg_type"] == "stream"]
+            assert [(msg["content"]["name"], msg["content"]["text"]) for msg in said] == [("stderr", SAID_EXIT_3)]
+            assert said[0]["parent_header"]["msg_id"] == next_cell
+            kc.stop_channels()
+        finally:
+            km.shutdown_kernel(now=True)
+
+
+def test_an_auto_restarter_restarts_a_kernel_whose_python_died_into_the_same_sandbox(kernelspec: str) -> None:
+    """As JupyterLab runs kernels: an AsyncIOLoopKernelManager with its restarter."""
+    asyncio.run(_restarted_by_the_restarter(kernelspec))
+
+
+async def _restarted_by_the_restarter(kernelspec: str) -> None:
+    km = AsyncIOLoopKernelManager(kernel_name=kernelspec)
+    await km.start_kernel()
+    restarts = asyncio.Event()
+    km.add_restart_callback(restarts.set, "restart")
+    km.start_restarter()
+    try:
+        kc = km.client()
+        kc.start_channels()
+        await kc.wait_for_ready(timeout=TIMEOUT)
+        outputs: list[dict[str, Any]] = []
+        reply = await kc.execute_interactive(WRITE_AND_NAME + DIE_AFTER_THE_CELL, output_hook=outputs.append,
+                                             timeout=TIMEOUT)
+        assert reply["content"]["status"] == "ok"
+        [sandbox_id] = [msg["content"]["text"].strip() for msg in outputs
+                        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout"]
+        await asyncio.wait_for(restarts.wait(), TIMEOUT)  # the restarter saw the process end
+        kc.stop_channels()
+        deadline = time.monotonic() + TIMEOUT
+        while not await km.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        kc = km.client()
+        kc.start_channels()
+        await kc.wait_for_ready(timeout=TIMEOUT)
+        outputs = []
+        reply = await kc.execute_interactive(
+            "import os\nprint(os.environ['SANDBOX_ID'], open('/workspace/kept.txt').read(), 'state' in globals())",
+            output_hook=outputs.append, timeout=TIMEOUT)
+        assert reply["content"]["status"] == "ok", outputs
+        assert [msg["content"]["text"] for msg in outputs if msg["msg_type"] == "stream"] == [
+            f"{sandbox_id} still here False\n"]
+        kc.stop_channels()
+    finally:
+        km.stop_restarter()
+        await km.shutdown_kernel(now=True)
+
+
+def test_a_kernel_that_dies_with_nobody_to_restart_it_leaves_its_sandbox_as_its_policy_says(
+        kernelspec: str, engine: EngineEndpoint) -> None:
+    km = KernelManager(kernel_name=kernelspec)
+    km.start_kernel(env={**os.environ, "SANDBOX_KERNEL_ON_SHUTDOWN": "keep"})
+    sandbox_id = ""
+    try:
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=TIMEOUT)
+        sandbox_id = execute(kc, WRITE_AND_NAME).text().strip()
+        kc.execute(KILL_ITSELF)
+        assert ended(km)
+        kc.stop_channels()
+        # Nobody restarts it: the sandbox is kept, as `on_shutdown keep` asked, for `ls` and `gc` alike.
+        [listed] = [line for line in cli("ls").stdout.splitlines() if line.startswith(sandbox_id)]
+        assert listed.endswith("owner: kept"), listed
+        assert sandbox_id not in cli("gc", "--dry-run").stdout
+        assert sandbox_status(engine, sandbox_id) == SandboxStatus.RUNNING
+    finally:
+        km.shutdown_kernel(now=True)
+        if sandbox_id:
+            cli("rm", sandbox_id)
