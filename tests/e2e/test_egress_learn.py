@@ -12,6 +12,7 @@ import http.server
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -180,6 +181,24 @@ def test_sweep_runs_the_code_in_one_fork_per_value_and_leaves_no_fork(
         assert "kept" in next(line for line in listed.splitlines() if row[3] in line), listed
     destroy(engine, row[3])  # kept: the kernel's shutdown left it
     assert not [view.id for view in sandboxes(engine) if view.forked_from == source]
+
+
+def test_interrupting_a_sweep_destroys_its_forks(kernelspec: str, engine: EngineEndpoint) -> None:
+    with running_kernel(kernelspec) as (km, kc):
+        out(kc, "import time")
+        source = sandbox_id_of(kc)
+        msg_id = kc.execute("%sandbox sweep -p x 1 2 --jobs 2 -- time.sleep(600)")
+        deadline = time.monotonic() + 120
+        while len([view for view in sandboxes(engine) if view.forked_from == source]) < 2:
+            assert time.monotonic() < deadline, "the sweep never made its forks"
+            time.sleep(0.2)
+        time.sleep(1)  # the branches' code runs in the forks
+        km.interrupt_kernel()
+        while (reply := kc.get_shell_msg(timeout=120))["parent_header"].get("msg_id") != msg_id:
+            pass
+        assert reply["content"]["ename"] == "KeyboardInterrupt"
+        assert not [view.id for view in sandboxes(engine) if view.forked_from == source]
+        assert out(kc, "print('alive')") == "alive\n"
 
 
 def test_seal_round_trips_through_kernel_arguments(kernelspec: str, servers: tuple[int, int, int]) -> None:
