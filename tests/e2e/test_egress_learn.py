@@ -14,11 +14,13 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from kernel_helpers import execute, running_kernel
+from package_index import PACKAGE, serving_index
 from sandbox_kernel.api import SandboxClient, names
 from sandbox_kernel.kernel.egress_learning import MAX_DESTINATIONS
 from sandbox_kernel.local.egress_gate import HOST_ALIAS
@@ -26,6 +28,7 @@ from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.sandbox.sealed import kernel_arguments
 
 pytestmark = pytest.mark.slow
+PIP = f"--no-cache-dir --disable-pip-version-check --trusted-host {HOST_ALIAS} --index-url"
 
 
 class Answer(http.server.BaseHTTPRequestHandler):
@@ -133,6 +136,18 @@ def test_learn_then_suggest_gives_the_line_that_allows_exactly_what_was_reached(
                                                             [f"{HOST_ALIAS}:{b}", "1", "cell 3"]], shown
         out(kc, line)
         assert out(kc, f"print(fetch({a}), fetch({b}), fetch({c}))") == "A B HTTP 403\n"
+
+
+def test_a_package_install_during_learning_counts_its_index(kernelspec: str, tmp_path: Path) -> None:
+    """pip goes through the egress proxy like every client (a subprocess of the cell): the
+    index it used is in the suggestion, by the name pip asked for."""
+    with serving_index(tmp_path / "index") as index, running_kernel(kernelspec) as (_, kc):
+        port = index.split(":")[2].split("/")[0]
+        out(kc, f"%egress only 127.0.0.1:{port}")
+        out(kc, "%egress learn")
+        install = execute(kc, f"%pip install {PIP} {index} {PACKAGE}")
+        assert "Successfully installed hello-sandbox-1.0" in install.text(), install.outputs
+        assert next_input(kc, "%egress suggest") == f"%egress only {HOST_ALIAS}:{port}"
 
 
 def test_learning_keeps_at_most_the_cap_and_says_so_once(kernelspec: str, engine: EngineEndpoint) -> None:
