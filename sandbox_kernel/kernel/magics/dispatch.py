@@ -11,15 +11,15 @@ from typing import Any
 
 from sandbox_kernel.guest import runner_protocol as protocol
 from sandbox_kernel.kernel import magic_words
-from sandbox_kernel.kernel.magic_words import Word
 from sandbox_kernel.kernel.egress_learning import EgressLearning
+from sandbox_kernel.kernel.magic_words import Word
 from sandbox_kernel.kernel.magics.egress import EGRESS_HELP, EGRESS_PARSER, EgressMagics
 from sandbox_kernel.kernel.magics.files import FileMagics
 from sandbox_kernel.kernel.magics.info import InfoMagics
 from sandbox_kernel.kernel.magics.lifecycle import LifecycleMagics
-from sandbox_kernel.kernel.magics.sweep import SweepMagics
 from sandbox_kernel.kernel.magics.parsing import (DOWNLOAD, EGRESS, HELP, MAGIC, PARSER, UPLOAD, MagicError, code_after,
                                                   help_for)
+from sandbox_kernel.kernel.magics.sweep import SweepMagics
 from sandbox_kernel.kernel.output import CellOutput
 from sandbox_kernel.kernel.output_safety import OutputFilter
 from sandbox_kernel.sandbox.session import SandboxSession
@@ -36,10 +36,10 @@ class SandboxMagics:
         self.out = out
         self.output_filter = output_filter or OutputFilter()
         self.payload: list[dict[str, Any]] = []  # set_next_input, for the cell's execute_reply
-        lifecycle = LifecycleMagics(session, out, self.output_filter, self.payload)
+        lifecycle = LifecycleMagics(session, out, self.output_filter)
         info = InfoMagics(session, out, self.output_filter, self.payload)
         egress = EgressMagics(session, out, self.output_filter, self.payload, learning or EgressLearning())
-        sweeps = SweepMagics(session, out, self.output_filter, self.payload)
+        sweeps = SweepMagics(session, out, self.output_filter)
         self.files = FileMagics(session, out, self.output_filter)
         # Each subcommand of PARSER and EGRESS_PARSER, and its handler.
         self.sandbox_commands: dict[str, Command] = {
@@ -107,5 +107,7 @@ class SandboxMagics:
             await self.egress_commands[args.command or "show"](args)
             return
         args = PARSER.parse_args(typed)
+        if code is not None and args.command != "sweep":
+            raise MagicError(f"{MAGIC} {args.command or ''}: only sweep takes ' -- CODE' (see {MAGIC} help)")
         args.code = code
         await self.sandbox_commands[args.command or "help"](args)
