@@ -43,6 +43,7 @@ from sandbox_kernel.api.models import (
     CreateSandboxRequest,
     CreateSandboxResponse,
     DestroyResponse,
+    EgressDestinations,
     EgressUpdate,
     EgressView,
     ExecFrame,
@@ -680,6 +681,13 @@ class SandboxClient:
         path = self._sb(sandbox_id) + "/egress"
         body = EgressUpdate(egress=list(egress) if egress is not None else []).to_wire()
         return self._decode(EgressView, await self._call("PUT", path, json_body=body), "PUT", path)
+
+    async def egress_destinations(self, sandbox_id: str, clear: bool = False) -> EgressDestinations:
+        """Local engine extension (CreateOS has no such route): the destinations the sandbox
+        asked its egress proxy for; ``clear`` empties the table (the answer is then empty)."""
+        path = self._sb(sandbox_id) + "/egress/destinations"
+        method = "DELETE" if clear else "GET"
+        return self._decode(EgressDestinations, await self._call(method, path), method, path)
 
     # --------------------------------------------------------------------------------------------------------- exec
 

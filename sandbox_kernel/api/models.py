@@ -338,6 +338,25 @@ class EgressView(WireModel):
     denied: Optional[List[EgressDenial]] = None
 
 
+class EgressDestination(WireModel):
+    host: str  # as the sandbox asked for it: a name, or an IP literal where it gave one
+    port: int
+    allowed: int  # connections the rules allowed
+    refused: int  # and refused
+
+
+class EgressDestinations(WireModel):
+    """Local engine extension, absent on CreateOS (`GET /v1/sandboxes/:id/egress/destinations`;
+    DELETE clears it): every destination the sandbox asked to reach through the egress proxy
+    since it started or was last cleared, at most `cap` distinct ones; `dropped` counts
+    connections to destinations that found the table full."""
+
+    id: str
+    destinations: List[EgressDestination]
+    cap: int
+    dropped: int
+
+
 class EgressUpdate(WireModel):
     """Body of ``PUT /v1/sandboxes/:id/egress``: replaces the whole list. ``[]`` or null = allow all."""
 

@@ -36,7 +36,8 @@ from typing import Any
 from sandbox_kernel.api import SandboxView
 from sandbox_kernel.config import ConfigError, Settings
 from sandbox_kernel.sandbox import ownership
-from sandbox_kernel.sandbox.sweep import CANCELLED, FAILED, OK, Branch, Outcome, combinations, parse_value, sweep
+from sandbox_kernel.sandbox.sweep import (CANCELLED, FAILED, OK, Branch, Outcome, SweepError, combinations, grid_of,
+                                          parameter_source, sweep)
 from sandbox_kernel.sandbox.sealed import allowed_env, kernel_arguments, sealed_options
 
 PARAMETERS_TAG = "parameters"
@@ -47,10 +48,6 @@ CREATEOS_JOBS_PER_CORE = 4
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 CELL_WIDTH = 40  # characters of a value in the printed table
 SPREADSHEET_FORMULA = re.compile(r"^[=+@\t\r]|^-(?![0-9.])")
-
-
-class SweepError(ConfigError):
-    """The sweep cannot start as asked; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -83,35 +80,6 @@ def plan(nb: Any, fork_after: str | None) -> Plan:
         raise SweepError(f"--fork-after {fork_after}: that cell comes after the {PARAMETERS_TAG!r} cell, so "
                          "the cells between would run with the default values")
     return Plan(nb, fork_at, 0 if parameters is None else parameters - fork_at)
-
-
-def parameter_source(parameters: dict[str, Any]) -> str:
-    """The injected cell's source, as papermill writes it for Python."""
-    return "# Parameters\n" + "".join(f"{name} = {_literal(value)}\n" for name, value in parameters.items())
-
-
-def _literal(value: Any) -> str:
-    if isinstance(value, str):  # papermill's spelling: double quotes, escapes as unicode_escape writes them
-        return '"' + value.encode("unicode_escape").decode("utf-8").replace('"', '\\"') + '"'
-    if isinstance(value, float) and value != value:
-        return "float('nan')"
-    if isinstance(value, float) and value in (float("inf"), float("-inf")):
-        return f"float('{'-' if value < 0 else ''}inf')"
-    return repr(value)
-
-
-def grid_of(pairs: Sequence[Sequence[str]]) -> dict[str, list[Any]]:
-    """-p NAME VALUE [VALUE ...] options as name -> values, checked."""
-    grid: dict[str, list[Any]] = {}
-    for name, *values in pairs:
-        if not name.isidentifier() or name in grid:
-            raise SweepError(f"-p {name}: {'given twice' if name in grid else 'not a Python variable name'}")
-        if not values:
-            raise SweepError(f"-p {name}: give at least one value")
-        grid[name] = [parse_value(value) for value in values]
-    if not grid:
-        raise SweepError("give the parameters to sweep: -p NAME VALUE [VALUE ...]")
-    return grid
 
 
 def file_names(stem: str, branches: Sequence[Branch]) -> list[str]:

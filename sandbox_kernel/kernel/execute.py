@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sandbox_kernel.api import SandboxAPIError
 from sandbox_kernel.guest import protocol
+from sandbox_kernel.kernel.egress_learning import EgressLearning
 from sandbox_kernel.kernel.egress_refusals import RefusalNotes
 from sandbox_kernel.kernel.events import EventTranslator
 from sandbox_kernel.kernel.interrupts import WaitInterrupted
@@ -36,6 +37,7 @@ class CellExecutor:
     def __init__(self, kernel: SandboxKernel) -> None:
         self.kernel = kernel
         self.refusals = RefusalNotes()
+        self.learning = EgressLearning()  # %egress learn, across cells
 
     async def execute(self, code: str, silent: bool, store_history: bool,
                       user_expressions: dict[str, Any], allow_stdin: bool) -> dict[str, Any]:
@@ -62,7 +64,7 @@ class CellExecutor:
                              "run a cell when you want it")
         if EXIT_CELL.fullmatch(code) and await self._best_effort(self.is_paused(session)):
             return self.ok([{"source": "ask_exit", "keepkernel": False}])
-        magics = SandboxMagics(session, out, kernel.output_filter)
+        magics = SandboxMagics(session, out, kernel.output_filter, self.learning)
         payload: list[dict[str, Any]] = []
         segments = split_cell(code)
         # user_expressions are evaluated after the cell's last code, in the sandbox; after a
@@ -76,6 +78,8 @@ class CellExecutor:
             if segment.magic:
                 try:
                     await kernel.interrupts.interruptible_wait(magics.run(segment.text))
+                    payload += magics.payload
+                    magics.payload.clear()
                 except (MagicError, SessionError) as exc:
                     return self.fail("MagicError", str(exc))
                 except SandboxAPIError as exc:
@@ -98,6 +102,8 @@ class CellExecutor:
                                          store_history and bool(segment.text), out, fields)
             if sandbox_id is not None and self.refusals.may_have_changed(session, sandbox_id):
                 await self._best_effort(self.refusals.name_new(session, sandbox_id, out))
+            if self.learning.learning(sandbox_id):
+                await self._best_effort(self.learning.after_cell(session, kernel.cell_count(), out))
             if reply["status"] != "ok":
                 return reply
             payload += reply["payload"]

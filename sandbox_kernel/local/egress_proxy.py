@@ -50,6 +50,7 @@ from ipaddress import IPv4Address, IPv6Address
 from urllib.parse import urlsplit
 
 from sandbox_kernel.api.egress_rules import Decision
+from sandbox_kernel.local.egress_destinations import DestinationLog
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +264,7 @@ class EgressProxy:
         self.denied_count = 0
         self.refusal_log = RefusalLog()
         self.allowed_count = 0
+        self.destinations = DestinationLog()  # what the sandbox asked for, allowed or not (bounded)
         self.bytes_out = 0  # relayed from the sandbox to its destinations (CreateOS's used_bytes)
         self.bytes_in = 0  # relayed back into the sandbox (ingress_bytes)
 
@@ -369,6 +371,7 @@ class EgressProxy:
             except Exception as exc:  # a broken rule refuses, never allows
                 refusal = Decision(False, f"rule evaluation failed: {type(exc).__name__}")
             if refusal is not None:
+                self.destinations.seen(hostname, port, allowed=False)
                 self._record_denial(host, port, refusal.reason)
                 raise _Denied(refusal.reason)
             addrs = []
@@ -389,6 +392,7 @@ class EgressProxy:
                 allowed.append(addr)
             elif first_reason is None:
                 first_reason = decision.reason
+        self.destinations.seen(hostname or str(addrs[0]), port, allowed=bool(allowed))
         if not allowed:
             reason = first_reason or "denied"
             self._record_denial(host, port, reason)

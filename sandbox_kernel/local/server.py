@@ -37,6 +37,8 @@ from sandbox_kernel.api.models import (
     CreateSandboxResponse,
     DestroyResponse,
     EgressDenial,
+    EgressDestination,
+    EgressDestinations,
     EgressUpdate,
     EgressView,
     ExecRequest,
@@ -67,6 +69,7 @@ from sandbox_kernel.local.access_tokens import (
 from sandbox_kernel.local import processes
 from sandbox_kernel.local.agent_client import AgentUnavailable
 from sandbox_kernel.local.catalog import CATALOG
+from sandbox_kernel.local.egress_destinations import DestinationLog
 from sandbox_kernel.local.engine import HEARTBEAT_SECONDS, SHAPES, Engine, EngineError, LocalSandbox, rfc3339
 from sandbox_kernel.local.unsupported import add_unsupported_routes
 
@@ -341,6 +344,18 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     async def put_egress(sandbox_id: str, body: EgressUpdate) -> JSONResponse:
         return jsend(egress_view(engine.set_egress(sandbox_id, body.egress)))
 
+    # Local engine extension: the destinations the sandbox asked for (`%egress learn`).
+    @app.get("/v1/sandboxes/{sandbox_id}/egress/destinations")
+    async def get_egress_destinations(sandbox_id: str) -> JSONResponse:
+        return jsend(destinations_view(engine.get(sandbox_id)))
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/egress/destinations")
+    async def clear_egress_destinations(sandbox_id: str) -> JSONResponse:
+        sandbox = engine.get(sandbox_id)
+        if sandbox.gate:
+            sandbox.gate.proxy.destinations.clear()
+        return jsend(destinations_view(sandbox))
+
     # -- bandwidth (counted by the egress proxy; never metered locally) ---------------------
 
     @app.get("/v1/sandboxes/{sandbox_id}/bandwidth")
@@ -564,6 +579,14 @@ def egress_view(sandbox: LocalSandbox) -> EgressView:
         denied_count=proxy.denied_count if proxy else 0,
         denied=[EgressDenial(at=rfc3339(d.at), host=d.host, port=d.port, reason=d.reason)
                 for d in (proxy.denials if proxy else ())])
+
+
+def destinations_view(sandbox: LocalSandbox) -> EgressDestinations:
+    log = sandbox.gate.proxy.destinations if sandbox.gate else DestinationLog()
+    return EgressDestinations(
+        id=sandbox.id, cap=log.cap, dropped=log.dropped,
+        destinations=[EgressDestination(host=host, port=port, allowed=reached.allowed, refused=reached.refused)
+                      for (host, port), reached in log.table.items()])
 
 
 def require_absolute(path: str) -> None:

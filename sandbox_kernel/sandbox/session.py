@@ -414,6 +414,12 @@ class SandboxSession:
         client, sandbox_id = self._require()
         return await client.set_egress(sandbox_id, rules)
 
+    async def egress_destinations(self, clear: bool = False) -> EgressDestinations:
+        """The destinations the sandbox asked to reach (local engine only: see
+        SandboxClient.egress_destinations); `clear` starts the table afresh."""
+        client, sandbox_id = self._require()
+        return await client.egress_destinations(sandbox_id, clear=clear)
+
     async def pause(self, progress: Progress | None = None) -> SandboxView:
         client, sandbox_id = self._require()
         await client.pause_sandbox(sandbox_id)
@@ -486,6 +492,15 @@ class SandboxSession:
         if self.client is not None:
             await self.client.aclose()
             self.client = None
+
+    async def release(self) -> None:
+        """Let go of the sandbox this session drives, doing nothing to it (a branch of
+        `%sandbox sweep`, whose fork the sweep destroys): the runner link and the client close."""
+        self.link.begin_closing()
+        await self.link.close(kill=False)
+        if self.sandbox_id:
+            ownership.stop_using(self.sandbox_id)
+        await self.close()
 
     async def find(self, ref: str) -> SandboxView:
         """The sandbox an id or a name designates, from any notebook (names.py)."""

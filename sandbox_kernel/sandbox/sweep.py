@@ -26,12 +26,17 @@ from typing import Any
 
 from sandbox_kernel.api import NotFoundError, SandboxAPIError, SandboxView
 from sandbox_kernel.api import names
+from sandbox_kernel.config import ConfigError
 from sandbox_kernel.sandbox import ownership
 from sandbox_kernel.sandbox.session import SandboxSession
 
 log = logging.getLogger("sandbox_kernel.sandbox.sweep")
 
 OK, FAILED, CANCELLED = "ok", "failed", "cancelled"
+
+
+class SweepError(ConfigError):
+    """The sweep cannot start as asked; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,35 @@ def parse_value(text: str) -> Any:
     return text
 
 
+def parameter_source(parameters: dict[str, Any]) -> str:
+    """The injected cell's source, as papermill writes it for Python."""
+    return "# Parameters\n" + "".join(f"{name} = {_literal(value)}\n" for name, value in parameters.items())
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, str):  # papermill's spelling: double quotes, escapes as unicode_escape writes them
+        return '"' + value.encode("unicode_escape").decode("utf-8").replace('"', '\\"') + '"'
+    if isinstance(value, float) and value != value:
+        return "float('nan')"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return f"float('{'-' if value < 0 else ''}inf')"
+    return repr(value)
+
+
+def grid_of(pairs: Sequence[Sequence[str]]) -> dict[str, list[Any]]:
+    """-p NAME VALUE [VALUE ...] options as name -> values, checked."""
+    grid: dict[str, list[Any]] = {}
+    for name, *values in pairs:
+        if not name.isidentifier() or name in grid:
+            raise SweepError(f"-p {name}: {'given twice' if name in grid else 'not a Python variable name'}")
+        if not values:
+            raise SweepError(f"-p {name}: give at least one value")
+        grid[name] = [parse_value(value) for value in values]
+    if not grid:
+        raise SweepError("give the parameters to sweep: -p NAME VALUE [VALUE ...]")
+    return grid
+
+
 def combinations(grid: Mapping[str, Sequence[Any]]) -> list[Branch]:
     """One branch per combination (the product of the value lists, in their order)."""
     keys = list(grid)
@@ -77,14 +111,17 @@ def combinations(grid: Mapping[str, Sequence[Any]]) -> list[Branch]:
 
 
 async def sweep(source: SandboxSession, branches: Sequence[Branch], run_branch: RunBranch, jobs: int,
-                owner: int | None = None, on_outcome: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+                owner: int | None = None, on_outcome: Callable[[Outcome], None] | None = None,
+                keep: bool = False) -> list[Outcome]:
     """Run every branch in its own fork of `source` (at most `jobs` at once) and destroy
-    the forks; return the outcomes in branch order. A failing branch does not stop the
-    others; run_branch's exception is its branch's one-line error."""
+    the forks (with `keep`, those of the branches that ended stay, for the caller to keep);
+    return the outcomes in branch order. A failing branch does not stop the others;
+    run_branch's exception is its branch's one-line error."""
     slots = asyncio.Semaphore(max(1, jobs))
     forking = asyncio.Lock()  # one fork at a time: the source is paused once, then forked
     outcomes: dict[int, Outcome] = {}
     forks: list[str] = []
+    kept: set[str] = set()
 
     async def one(branch: Branch) -> None:
         async with slots:
@@ -100,7 +137,10 @@ async def sweep(source: SandboxSession, branches: Sequence[Branch], run_branch: 
             outcomes[branch.index] = outcome
             if view is not None:
                 outcome.sandbox_id = view.id
-                await _destroy(source, view.id)
+                if keep:
+                    kept.add(view.id)
+                else:
+                    await _destroy(source, view.id)
             if on_outcome is not None:
                 on_outcome(outcome)
 
@@ -111,7 +151,8 @@ async def sweep(source: SandboxSession, branches: Sequence[Branch], run_branch: 
     finally:
         # Every fork, whatever happened: cancelled branches' included (each is gone already
         # when its branch ended normally: then this only makes sure).
-        await asyncio.shield(asyncio.gather(*(_destroy(source, sandbox_id) for sandbox_id in forks)))
+        await asyncio.shield(asyncio.gather(*(_destroy(source, sandbox_id) for sandbox_id in forks
+                                              if sandbox_id not in kept)))
     return [outcomes.get(branch.index) or Outcome(branch, CANCELLED) for branch in branches]
 
 

@@ -22,7 +22,7 @@ from kernel_helpers import (PROVIDER, TIMEOUT, Execution, execute, is_status_lin
 from message_spec import validate
 from sandbox_kernel.guest import bundle as runner_bundle
 from sandbox_kernel.local.service import EngineEndpoint
-from sandbox_kernel.sandbox.session import RUNNER_DIR
+from sandbox_kernel.sandbox.runner_setup import RUNNER_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.one_path]
 

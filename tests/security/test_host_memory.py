@@ -2,7 +2,7 @@
 (issue 12, item 2). Each attack first shows it ran (the bytes were really sent or read),
 then that the peak memory of the kernel and the engine grew by less than a stated bound.
 
-The runner's client (session.RUNNER_CLIENT_PATH) lives where sandbox code can
+The runner's client (runner_setup.RUNNER_CLIENT_PATH) lives where sandbox code can
 write, so the kernel does not trust it: every line it reads is bounded, and buffered exec
 output is capped by the engine. The same holds for the channel's relay (a running
 client.py channel), whose stdout any code in the sandbox can write to.
@@ -26,7 +26,7 @@ from memory_probe import MIB, memory_growth
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
 from sandbox_kernel.local.server import MAX_BUFFERED_OUTPUT
 from sandbox_kernel.local.service import EngineEndpoint
-from sandbox_kernel.sandbox.session import RUNNER_CLIENT_PATH
+from sandbox_kernel.sandbox.runner_setup import RUNNER_CLIENT_PATH
 
 pytestmark = [pytest.mark.slow, ONCE]
 

@@ -11,12 +11,15 @@ from typing import Any
 
 from sandbox_kernel.guest import protocol
 from sandbox_kernel.kernel import magic_words
+from sandbox_kernel.kernel.egress_learning import EgressLearning
 from sandbox_kernel.kernel.magic_words import Word
 from sandbox_kernel.kernel.magics.egress import EGRESS_HELP, EGRESS_PARSER, EgressMagics
 from sandbox_kernel.kernel.magics.files import FileMagics
 from sandbox_kernel.kernel.magics.info import InfoMagics
 from sandbox_kernel.kernel.magics.lifecycle import LifecycleMagics
-from sandbox_kernel.kernel.magics.parsing import DOWNLOAD, EGRESS, HELP, MAGIC, PARSER, UPLOAD, MagicError, help_for
+from sandbox_kernel.kernel.magics.parsing import (DOWNLOAD, EGRESS, HELP, MAGIC, PARSER, UPLOAD, MagicError, code_after,
+                                                  help_for)
+from sandbox_kernel.kernel.magics.sweep import SweepMagics
 from sandbox_kernel.kernel.output import CellOutput
 from sandbox_kernel.kernel.output_safety import OutputFilter
 from sandbox_kernel.sandbox.session import SandboxSession
@@ -27,23 +30,28 @@ Command = Callable[[argparse.Namespace], Awaitable[None]]
 class SandboxMagics:
     """The magics of one cell: each line is run with `run`, in the cell's order."""
 
-    def __init__(self, session: SandboxSession, out: CellOutput, output_filter: OutputFilter | None = None) -> None:
+    def __init__(self, session: SandboxSession, out: CellOutput, output_filter: OutputFilter | None = None,
+                 learning: EgressLearning | None = None) -> None:
         self.session = session
         self.out = out
         self.output_filter = output_filter or OutputFilter()
+        self.payload: list[dict[str, Any]] = []  # set_next_input, for the cell's execute_reply
         lifecycle = LifecycleMagics(session, out, self.output_filter)
-        info = InfoMagics(session, out, self.output_filter)
-        egress = EgressMagics(session, out, self.output_filter)
+        info = InfoMagics(session, out, self.output_filter, self.payload)
+        egress = EgressMagics(session, out, self.output_filter, self.payload, learning or EgressLearning())
+        sweeps = SweepMagics(session, out, self.output_filter)
         self.files = FileMagics(session, out, self.output_filter)
         # Each subcommand of PARSER and EGRESS_PARSER, and its handler.
         self.sandbox_commands: dict[str, Command] = {
             "status": info.status, "list": lifecycle.list_sandboxes, "pause": lifecycle.pause,
             "resume": lifecycle.resume, "fork": lifecycle.fork, "attach": lifecycle.attach,
             "keep": lifecycle.keep, "cost": info.cost, "on-shutdown": lifecycle.on_shutdown,
-            "trust-output": info.trust_output, "help": info.help}
+            "trust-output": info.trust_output, "help": info.help, "seal": info.seal,
+            "sweep": sweeps.sweep}
         self.egress_commands: dict[str, Command] = {
             "show": egress.show, "allow": egress.allow, "deny": egress.deny, "only": egress.only,
-            "block-all": egress.block_all, "open": egress.open_to_all, "help": egress.help}
+            "block-all": egress.block_all, "open": egress.open_to_all, "help": egress.help,
+            "learn": egress.learn, "suggest": egress.suggest}
 
     async def words(self, prog: str, rest: str) -> list[Word]:
         """The line's words, `{expr}` and `$name` filled in from the notebook's variables as
@@ -82,6 +90,7 @@ class SandboxMagics:
 
     async def run(self, line: str) -> None:
         prog = next(name for name in (UPLOAD, DOWNLOAD, EGRESS, MAGIC) if line.startswith(name))
+        line, code = code_after(line) if prog == MAGIC else (line, None)
         words = await self.words(prog, line[len(prog):])
         if prog in (UPLOAD, DOWNLOAD):
             await self.files.transfer(prog, words)
@@ -98,4 +107,7 @@ class SandboxMagics:
             await self.egress_commands[args.command or "show"](args)
             return
         args = PARSER.parse_args(typed)
+        if code is not None and args.command != "sweep":
+            raise MagicError(f"{MAGIC} {args.command or ''}: only sweep takes ' -- CODE' (see {MAGIC} help)")
+        args.code = code
         await self.sandbox_commands[args.command or "help"](args)

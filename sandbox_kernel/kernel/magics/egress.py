@@ -4,12 +4,16 @@ session; and the lines that name the connections it refused during a cell."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from sandbox_kernel.api import EgressView, egress_rules
+from sandbox_kernel.kernel.egress_learning import EgressLearning, LearningNotSupported, suggested_rules
 from sandbox_kernel.kernel.magics.family import MagicFamily
 from sandbox_kernel.kernel.magics.parsing import EGRESS, MagicError, MagicParser
 from sandbox_kernel.kernel.magics.tables import table
 from sandbox_kernel.kernel.output import CellOutput
+from sandbox_kernel.kernel.output_safety import OutputFilter
+from sandbox_kernel.sandbox.session import SandboxSession
 
 # CreateOS has no deny-all token (an empty list allows all): one rule that matches nothing
 # useful, a port on a documentation-only address (RFC 5737), stands for "block all".
@@ -25,6 +29,11 @@ EGRESS_HELP = """\
   %egress block-all               no outbound connection at all
   %egress open                    allow every public destination (host, private and
                                   link-local addresses still need a rule)
+  %egress learn [--stop]          record every destination the cells reach (host, port,
+                                  connections, cells), under the current rules; --stop
+                                  ends it (local engine only)
+  %egress suggest                 the narrowest `%egress only` line allowing what learn
+                                  saw, as the next input (exact host:port, names as asked)
   %egress help                    this text; %egress COMMAND --help: that command only
 
 A RULE is host, host:port, *.domain (subdomains), an IPv4/IPv6 address or a CIDR, e.g.
@@ -37,10 +46,11 @@ Changes apply to the next connection; an empty list means every public destinati
 def build_egress_parser() -> argparse.ArgumentParser:
     parser = MagicParser(prog=EGRESS, add_help=False)
     sub = parser.add_subparsers(dest="command")
-    for name in ("show", "block-all", "open", "help"):
+    for name in ("show", "block-all", "open", "suggest", "help"):
         sub.add_parser(name, add_help=False)
     for name in ("allow", "deny", "only"):
         sub.add_parser(name, add_help=False).add_argument("rules", nargs="+", metavar="RULE")
+    sub.add_parser("learn", add_help=False).add_argument("--stop", action="store_true")
     return parser
 
 
@@ -48,6 +58,11 @@ EGRESS_PARSER = build_egress_parser()
 
 
 class EgressMagics(MagicFamily):
+    def __init__(self, session: SandboxSession, out: CellOutput, output_filter: OutputFilter,
+                 payload: list[dict[str, Any]], learning: EgressLearning) -> None:
+        super().__init__(session, out, output_filter, payload)
+        self.learning = learning  # the kernel's, across cells
+
     async def help(self, _: argparse.Namespace) -> None:
         self.out.text(EGRESS_HELP)
 
@@ -91,6 +106,38 @@ class EgressMagics(MagicFamily):
         self.out.text("Warning: every public destination is now reachable from the sandbox "
                       "(the host, private and link-local addresses still need a rule)\n", name="stderr")
         await self._set_rules([])
+
+    async def learn(self, args: argparse.Namespace) -> None:
+        learning = self.learning
+        if args.stop:
+            if learning.sandbox_id is None:
+                raise MagicError("%egress learn --stop: not learning (start with %egress learn)")
+            learning.stop()
+            self.out.text(f"egress learn: stopped; {len(learning.table)} destination(s) recorded "
+                          "(%egress suggest writes the line that allows them)\n")
+            if learning.table:
+                self.out.display(table([("destination", "connections", "cells"), *learning.rows()]))
+            return
+        try:
+            await learning.start(self.session)
+        except LearningNotSupported as exc:
+            raise MagicError(str(exc)) from None
+        self.out.text(f"egress learn: recording the destinations the next cells reach, under the current "
+                      f"rules ({describe_rules((await self.session.get_egress()).egress or [])}); "
+                      "%egress suggest, %egress learn --stop\n")
+
+    async def suggest(self, _: argparse.Namespace) -> None:
+        if not self.learning.table:
+            raise MagicError("%egress suggest: nothing recorded: run %egress learn, then the cells")
+        rules, unspellable = suggested_rules(list(self.learning.table))
+        if unspellable:
+            self.out.text(f"sandbox-kernel: no rule names {', '.join(unspellable[:3])}"
+                          f"{' …' if len(unspellable) > 3 else ''}: left out\n", name="stderr")
+        if not rules:
+            raise MagicError("%egress suggest: no recorded destination can be written as a rule")
+        line = f"{EGRESS} only {' '.join(checked(rules))}"
+        self.set_next_input(line)
+        self.out.text(f"In the next input: {line}\n")
 
     async def _set_rules(self, rules: list[str], note: str = "") -> None:
         view: EgressView = await self.session.set_egress(rules)

@@ -1,9 +1,11 @@
 """%sandbox commands that tell about the sandbox, or about what of it reaches the page:
-status, cost, help, trust-output."""
+status, cost, seal, help, trust-output."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 
 from sandbox_kernel.api import SandboxView, names
 from sandbox_kernel.kernel.magics.egress import describe_rules
@@ -12,6 +14,10 @@ from sandbox_kernel.kernel.magics.parsing import HELP
 from sandbox_kernel.kernel.magics.tables import describe_age, describe_cost, describe_seconds, table
 from sandbox_kernel.sandbox import ownership
 from sandbox_kernel.sandbox.cost import Cost
+from sandbox_kernel.sandbox.sealed import METADATA_KEY, seal_metadata
+
+SEAL_WHERE = (f"Paste it into the notebook's metadata as its \"{METADATA_KEY}\" key (JupyterLab: the property "
+              "inspector, or Notebook > Advanced tools > Notebook metadata); headless runs then get these settings")
 
 
 def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost,
@@ -29,6 +35,12 @@ def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost,
 
 
 class InfoMagics(MagicFamily):
+    async def seal(self, _: argparse.Namespace) -> None:
+        """This notebook's settings, with the live sandbox's egress rules, as its seal."""
+        rules = (await self.session.get_egress()).egress or []
+        self.set_next_input(seal_text(seal_metadata(dataclasses.replace(self.session.settings, egress=rules))))
+        self.out.text(f"The seal is in the next input. {SEAL_WHERE}\n")
+
     async def help(self, _: argparse.Namespace) -> None:
         self.out.text(HELP)
 
@@ -65,3 +77,8 @@ class InfoMagics(MagicFamily):
         else:
             self.out.text("The sandbox's output is filtered again: scripts and active HTML are held back "
                           "or shown in an isolated frame\n")
+
+
+def seal_text(metadata: dict[str, object]) -> str:
+    """The `metadata.sandbox` entry as JSON the property inspector takes."""
+    return json.dumps({METADATA_KEY: metadata}, indent=2)

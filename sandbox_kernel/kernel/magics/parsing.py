@@ -109,10 +109,17 @@ def help_for(text: str, prog: str, words: list[str]) -> str | None:
     return "".join(entry) or text
 
 
+def code_after(line: str) -> tuple[str, str | None]:
+    """A `%sandbox sweep ... -- CODE` line's options and its CODE (None without ` -- `): the
+    code is Python, never split into words nor filled in."""
+    options, dashes, code = line.partition(" -- ")
+    return (options, code) if dashes else (line, None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = MagicParser(prog=MAGIC, add_help=False)
     sub = parser.add_subparsers(dest="command")
-    for name in ("status", "list", "pause", "resume", "cost", "help"):
+    for name in ("status", "list", "pause", "resume", "cost", "seal", "help"):
         sub.add_parser(name, add_help=False)
     fork = sub.add_parser("fork", add_help=False)
     fork.add_argument("--name")
@@ -126,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     policy = sub.add_parser("on-shutdown", add_help=False)
     policy.add_argument("policy", choices=SHUTDOWN_POLICIES)
     sub.add_parser("trust-output", add_help=False).add_argument("trust", choices=("on", "off"))
+    sweep = sub.add_parser("sweep", add_help=False)
+    sweep.add_argument("-p", dest="parameters", nargs="+", action="append", metavar="NAME VALUE")
+    sweep.add_argument("--jobs", type=int)
+    sweep.add_argument("--keep", action="store_true")
     return parser
 
 
