@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_kernel.api import SandboxView
-from sandbox_kernel.config import ConfigError, Settings
+from sandbox_kernel.config import Settings
 from sandbox_kernel.sandbox import ownership
 from sandbox_kernel.sandbox.sweep import (CANCELLED, FAILED, OK, Branch, Outcome, SweepError, combinations, grid_of,
                                           parameter_source, sweep)

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from sandbox_kernel.api import (
     ConflictError,
     CreateSandboxRequest,
+    EgressDestinations,
     EgressView,
     ForkSandboxRequest,
     NotFoundError,
