@@ -7,21 +7,43 @@ request sent while no other is waiting for its answer's head starts a new round 
 sent while another waits rides along (the three runner files uploaded at once are one).
 A process's output stream waits only for its head. Starts and cells also run alternately
 through a proxy without delay, and the rows give both times.
+
+idle_cost: many notebooks open through the proxy, each run one cell, then left idle; the
+requests they send while idle (per notebook per minute, by method and route) are what an
+idle notebook costs the service.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import re
 import statistics
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
-from common import SANDBOX, BenchEnv, Row, kernel, ms, run_ok
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
+from common import SANDBOX, BenchEnv, Row, kernel, kernels, ms, run_ok
 from sandbox_kernel.config import ENV_VARS
 from sandbox_kernel.local.service import read_endpoint
 
 METHODS = (b"GET ", b"POST ", b"PUT ", b"DELETE ", b"PATCH ")
+# A path segment after one of these names an instance (sandbox, process...): counted as ":id".
+AN_ID = re.compile(r"/(sandboxes|processes|disks|screens|windows|snapshots)/(?!by-ip(?:/|$))[^/?]+")
+IDLE_SETTLE = 5.0  # seconds after the last cell before idle requests are counted
+
+
+def route(request_line: bytes) -> str:
+    """A request's method and path, ids replaced and query values dropped:
+    'GET /v1/sandboxes/sb-1/processes/7?after=3 HTTP/1.1' -> 'GET /v1/sandboxes/:id/processes/:id?after'."""
+    method, target = (request_line.decode("latin-1").split(" ") + ["", ""])[:2]
+    path, _, query = target.partition("?")
+    keys = sorted({pair.partition("=")[0] for pair in query.split("&") if pair})
+    path = AN_ID.sub(r"/\1/:id", path)
+    return f"{method} {path}" + (f"?{'&'.join(keys)}" if keys else "")
 
 
 class DelayProxy:
@@ -32,6 +54,7 @@ class DelayProxy:
         self.upstream_port = upstream_port
         self.one_way = one_way
         self.requests = 0
+        self.routes: Counter[str] = Counter()  # requests by route()
         self.round_trips = 0
         self._waiting = 0  # requests sent whose answer has not begun
         self.port = 0
@@ -59,6 +82,7 @@ class DelayProxy:
     def _request_seen(self, data: bytes) -> None:
         if data.startswith(METHODS):  # one request at a time per connection: its head opens a chunk
             self.requests += 1
+            self.routes[route(data.split(b"\r\n", 1)[0])] += 1
             if self._waiting == 0:
                 self.round_trips += 1
             self._waiting += 1
@@ -142,4 +166,38 @@ async def measure(env: BenchEnv, rtt: float, starts: int, cells: int) -> list[Ro
                   f"({statistics.median(times[kind]['near']) * 1000:.1f} ms without the delay)")
         row.met = round_trips_made <= most
         rows.append(row)
+    return rows
+
+
+async def idle_cost(env: BenchEnv, count: int, rtts: tuple[float, ...], interval: float,
+                    idle_seconds: float) -> list[Row]:
+    """`count` notebooks open through the delay proxy; at each round trip time, every notebook
+    runs one cell (at a random moment of `interval`), then all stay idle for `idle_seconds`
+    while the proxy counts the requests they send."""
+    rows = []
+    async with proxied(env, rtts[0]) as (proxy, kernel_env), kernels(SANDBOX, count, kernel_env) as notebooks:
+        phases = random.Random(33)
+        for rtt in rtts:
+            proxy.one_way = rtt / 2
+
+            async def one_cell(client: AsyncKernelClient, phase: float) -> float:
+                await asyncio.sleep(phase)
+                return (await run_ok(client, "x = 1")).seconds
+
+            latencies = await asyncio.gather(*(one_cell(client, phases.uniform(0, interval))
+                                               for _, client in notebooks))
+            await asyncio.sleep(IDLE_SETTLE)
+            before = proxy.routes.copy()
+            await asyncio.sleep(idle_seconds)
+            sent = proxy.routes - before
+            per_minute = 60 / idle_seconds / count
+            breakdown = ", ".join(f"{name} {times * per_minute:.2f}" for name, times in sent.most_common())
+            label = f"cloud, {rtt * 1000:g} ms round trip, {count} notebooks"
+            rows.append(Row(f"{label}: one cell in each (random moment in {interval:g} s)", "ms",
+                            ms(latencies), target="reported"))
+            row = Row(f"{label}: requests per idle notebook per minute ({idle_seconds:.0f} s idle after "
+                      f"one cell each; by route: {breakdown or 'none'})", "requests/min",
+                      [sum(sent.values()) * per_minute], target="next to nothing: < 1")
+            row.met = row.sandbox[0] < 1
+            rows.append(row)
     return rows
