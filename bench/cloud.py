@@ -55,6 +55,8 @@ class DelayProxy:
         self.one_way = one_way
         self.requests = 0
         self.routes: Counter[str] = Counter()  # requests by route()
+        self.answer_bytes = 0  # everything the service sent (answers, stream frames)
+        self.connections = 0  # open now
         self.round_trips = 0
         self._waiting = 0  # requests sent whose answer has not begun
         self.port = 0
@@ -71,6 +73,7 @@ class DelayProxy:
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         upstream_r, upstream_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self.connections += 1
         tasks = [asyncio.ensure_future(self._pipe(client_r, upstream_w, self._request_seen)),
                  asyncio.ensure_future(self._pipe(upstream_r, client_w, self._answer_seen))]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -78,6 +81,7 @@ class DelayProxy:
             task.cancel()
         for writer in (client_w, upstream_w):
             writer.transport.abort()
+        self.connections -= 1
 
     def _request_seen(self, data: bytes) -> None:
         if data.startswith(METHODS):  # one request at a time per connection: its head opens a chunk
@@ -88,6 +92,7 @@ class DelayProxy:
             self._waiting += 1
 
     def _answer_seen(self, data: bytes) -> None:
+        self.answer_bytes += len(data)
         if data.startswith(b"HTTP/1.") and self._waiting:
             self._waiting -= 1
 
@@ -187,16 +192,19 @@ async def idle_cost(env: BenchEnv, count: int, rtts: tuple[float, ...], interval
             latencies = await asyncio.gather(*(one_cell(client, phases.uniform(0, interval))
                                                for _, client in notebooks))
             await asyncio.sleep(IDLE_SETTLE)
-            before = proxy.routes.copy()
+            before, bytes_before = proxy.routes.copy(), proxy.answer_bytes
             await asyncio.sleep(idle_seconds)
             sent = proxy.routes - before
             per_minute = 60 / idle_seconds / count
+            received = (proxy.answer_bytes - bytes_before) * per_minute
             breakdown = ", ".join(f"{name} {times * per_minute:.2f}" for name, times in sent.most_common())
             label = f"cloud, {rtt * 1000:g} ms round trip, {count} notebooks"
             rows.append(Row(f"{label}: one cell in each (random moment in {interval:g} s)", "ms",
                             ms(latencies), target="reported"))
             row = Row(f"{label}: requests per idle notebook per minute ({idle_seconds:.0f} s idle after "
-                      f"one cell each; by route: {breakdown or 'none'})", "requests/min",
+                      f"one cell each; by route: {breakdown or 'none'}; meanwhile the service sent "
+                      f"{received:.0f} bytes per notebook per minute (stream heartbeats) and "
+                      f"{proxy.connections / count:.1f} connections per notebook are open)", "requests/min",
                       [sum(sent.values()) * per_minute], target="next to nothing: < 1")
             row.met = row.sandbox[0] < 1
             rows.append(row)

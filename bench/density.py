@@ -16,6 +16,7 @@ import asyncio
 import queue
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -63,7 +64,9 @@ async def _notebook(client: AsyncKernelClient, phase: float, interval: float, ce
 async def _run_side(name: str, env: BenchEnv, count: int, interval: float, seconds: float) -> Side:
     side = Side()
     phases = random.Random(PHASES_SEED)
+    started = time.monotonic()
     async with kernels(name, count) as notebooks:
+        _progress(f"{count} {name} kernels started in {time.monotonic() - started:.0f} s")
         clients = [client for _, client in notebooks]
         if name == SANDBOX:
             firsts = await asyncio.gather(*(run_cell(client, WHICH_SANDBOX) for client in clients))
@@ -73,6 +76,7 @@ async def _run_side(name: str, env: BenchEnv, count: int, interval: float, secon
         cells = max(1, int(seconds / interval))
         await asyncio.gather(*(_notebook(client, phases.uniform(0, interval), interval, cells, side)
                                for client in clients))
+        _progress(f"{name}: {len(side.latencies)}/{side.cells_sent} cells answered")
         await asyncio.sleep(SETTLE)
         side.kernel_pss = [pss_bytes(manager.provisioner.process.pid) for manager, _ in notebooks]
         if name == SANDBOX:
@@ -82,6 +86,10 @@ async def _run_side(name: str, env: BenchEnv, count: int, interval: float, secon
                                for pids in processes]
             side.engine_pss = pss_bytes(env.engine_pid or 0)
     return side
+
+
+def _progress(line: str) -> None:
+    print(f"[bench] density: {line}", file=sys.stderr, flush=True)
 
 
 def _answered(side: Side) -> str:

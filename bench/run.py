@@ -52,7 +52,7 @@ class Plan:
 
 QUICK = Plan(round_trip=3, streaming=1, throughput=1, flood_mib=1, rich=1, frame_mb=0.2, starts=1,
              lifecycle=1, lifecycle_mib=20, density_kernels=1, density_interval=1.0, density_seconds=2.0,
-             cloud_starts=1, idle_notebooks=1, idle_seconds=2.0)
+             cloud_starts=1, idle_notebooks=1, idle_rtts=(0.030,), idle_seconds=2.0)
 
 
 async def cell_measures(plan: Plan, env: BenchEnv) -> list[Row]:
