@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Callable
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from common import SANDBOX, BenchEnv, Row, kernel, kernels, ms, run_ok
+from sandbox_kernel.api import SandboxClient
+from sandbox_kernel.api.models import AUTO_PAUSE_MIN_SECONDS, PatchSandboxRequest, SandboxStatus
 from sandbox_kernel.config import ENV_VARS
 from sandbox_kernel.local.service import read_endpoint
 
@@ -34,6 +36,7 @@ METHODS = (b"GET ", b"POST ", b"PUT ", b"DELETE ", b"PATCH ")
 # A path segment after one of these names an instance (sandbox, process...): counted as ":id".
 AN_ID = re.compile(r"/(sandboxes|processes|disks|screens|windows|snapshots)/(?!by-ip(?:/|$))[^/?]+")
 IDLE_SETTLE = 5.0  # seconds after the last cell before idle requests are counted
+PAUSE_WAIT = 60.0  # seconds past the auto-pause timeout for every idle sandbox to have paused
 
 
 def route(request_line: bytes) -> str:
@@ -174,38 +177,64 @@ async def measure(env: BenchEnv, rtt: float, starts: int, cells: int) -> list[Ro
     return rows
 
 
+async def _idle_requests(proxy: DelayProxy, count: int, seconds: float, label: str) -> Row:
+    """Wait `seconds` while the proxy counts what `count` idle notebooks send; the row gives
+    requests per notebook per minute, by route, and the service's bytes and open connections."""
+    before, bytes_before = proxy.routes.copy(), proxy.answer_bytes
+    await asyncio.sleep(seconds)
+    sent = proxy.routes - before
+    per_minute = 60 / seconds / count
+    received = (proxy.answer_bytes - bytes_before) * per_minute
+    breakdown = ", ".join(f"{name} {times * per_minute:.2f}" for name, times in sent.most_common())
+    row = Row(f"{label}: requests per notebook per minute ({seconds:.0f} s counted; by route: "
+              f"{breakdown or 'none'}; meanwhile the service sent {received:.0f} bytes per notebook per "
+              f"minute (stream heartbeats) and {proxy.connections / count:.1f} connections per notebook "
+              "were open)", "requests/min", [sum(sent.values()) * per_minute], target="next to nothing: < 1")
+    row.met = row.sandbox[0] < 1
+    return row
+
+
+async def _pause_all(env: BenchEnv, count: int) -> None:
+    """Set every sandbox's auto-pause to the shortest CreateOS allows, and wait until all
+    `count` have paused themselves. Straight to the engine: the proxy does not count this."""
+    endpoint = read_endpoint(env.state_dir)
+    assert endpoint is not None
+    async with SandboxClient(endpoint.url, endpoint.token) as api:
+        for sandbox in await api.list_sandboxes():
+            await api.patch_sandbox(sandbox.id, PatchSandboxRequest(auto_pause_after_seconds=AUTO_PAUSE_MIN_SECONDS))
+        deadline = time.monotonic() + AUTO_PAUSE_MIN_SECONDS + PAUSE_WAIT
+        while len(await api.list_sandboxes(status=SandboxStatus.PAUSED.value)) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the idle sandboxes did not all auto-pause in "
+                                   f"{AUTO_PAUSE_MIN_SECONDS + PAUSE_WAIT:.0f} s")
+            await asyncio.sleep(5)
+
+
 async def idle_cost(env: BenchEnv, count: int, rtts: tuple[float, ...], interval: float,
-                    idle_seconds: float) -> list[Row]:
+                    idle_seconds: float, paused: bool) -> list[Row]:
     """`count` notebooks open through the delay proxy; at each round trip time, every notebook
     runs one cell (at a random moment of `interval`), then all stay idle for `idle_seconds`
-    while the proxy counts the requests they send."""
+    while the proxy counts the requests they send. Last (if `paused`), the same once their
+    sandboxes have auto-paused, the notebooks still open."""
     rows = []
     async with proxied(env, rtts[0]) as (proxy, kernel_env), kernels(SANDBOX, count, kernel_env) as notebooks:
         phases = random.Random(33)
+
+        async def one_cell(client: AsyncKernelClient, phase: float) -> float:
+            await asyncio.sleep(phase)
+            return (await run_ok(client, "x = 1")).seconds
+
         for rtt in rtts:
             proxy.one_way = rtt / 2
-
-            async def one_cell(client: AsyncKernelClient, phase: float) -> float:
-                await asyncio.sleep(phase)
-                return (await run_ok(client, "x = 1")).seconds
-
             latencies = await asyncio.gather(*(one_cell(client, phases.uniform(0, interval))
                                                for _, client in notebooks))
-            await asyncio.sleep(IDLE_SETTLE)
-            before, bytes_before = proxy.routes.copy(), proxy.answer_bytes
-            await asyncio.sleep(idle_seconds)
-            sent = proxy.routes - before
-            per_minute = 60 / idle_seconds / count
-            received = (proxy.answer_bytes - bytes_before) * per_minute
-            breakdown = ", ".join(f"{name} {times * per_minute:.2f}" for name, times in sent.most_common())
             label = f"cloud, {rtt * 1000:g} ms round trip, {count} notebooks"
             rows.append(Row(f"{label}: one cell in each (random moment in {interval:g} s)", "ms",
                             ms(latencies), target="reported"))
-            row = Row(f"{label}: requests per idle notebook per minute ({idle_seconds:.0f} s idle after "
-                      f"one cell each; by route: {breakdown or 'none'}; meanwhile the service sent "
-                      f"{received:.0f} bytes per notebook per minute (stream heartbeats) and "
-                      f"{proxy.connections / count:.1f} connections per notebook are open)", "requests/min",
-                      [sum(sent.values()) * per_minute], target="next to nothing: < 1")
-            row.met = row.sandbox[0] < 1
-            rows.append(row)
+            await asyncio.sleep(IDLE_SETTLE)
+            rows.append(await _idle_requests(proxy, count, idle_seconds, f"{label}, idle after one cell each"))
+        if paused:
+            await _pause_all(env, count)
+            rows.append(await _idle_requests(proxy, count, idle_seconds,
+                                             f"{label}, idle with their sandboxes auto-paused"))
     return rows

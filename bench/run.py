@@ -48,11 +48,13 @@ class Plan:
     idle_notebooks: int = 100  # notebooks left idle through the delay proxy (cloud.idle_cost)
     idle_rtts: tuple[float, ...] = (0.030, 0.080)
     idle_seconds: float = 120.0
+    idle_paused: bool = True  # also count once the sandboxes auto-paused (a minute's wait more)
 
 
 QUICK = Plan(round_trip=3, streaming=1, throughput=1, flood_mib=1, rich=1, frame_mb=0.2, starts=1,
              lifecycle=1, lifecycle_mib=20, density_kernels=1, density_interval=1.0, density_seconds=2.0,
-             cloud_starts=1, idle_notebooks=1, idle_rtts=(0.030,), idle_seconds=2.0)
+             cloud_starts=1, idle_notebooks=1, idle_rtts=(0.030,), idle_seconds=2.0,
+             idle_paused=False)
 
 
 async def cell_measures(plan: Plan, env: BenchEnv) -> list[Row]:
@@ -68,7 +70,7 @@ async def cell_measures(plan: Plan, env: BenchEnv) -> list[Row]:
 async def cloud_measures(plan: Plan, env: BenchEnv) -> list[Row]:
     rows = await cloud.measure(env, plan.cloud_rtt, plan.cloud_starts, plan.round_trip)
     return rows + await cloud.idle_cost(env, plan.idle_notebooks, plan.idle_rtts, plan.density_interval,
-                                        plan.idle_seconds)
+                                        plan.idle_seconds, plan.idle_paused)
 
 
 MEASURES: dict[str, Callable[[Plan, BenchEnv], Awaitable[list[Row]]]] = {
