@@ -59,7 +59,7 @@ class DelayProxy:
         self.requests = 0
         self.routes: Counter[str] = Counter()  # requests by route()
         self.answer_bytes = 0  # everything the service sent (answers, stream frames)
-        self.connections = 0  # open now
+        self._open: set[asyncio.StreamWriter] = set()  # the kernels' ends of the connections open now
         self.round_trips = 0
         self._waiting = 0  # requests sent whose answer has not begun
         self.port = 0
@@ -76,7 +76,7 @@ class DelayProxy:
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         upstream_r, upstream_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        self.connections += 1
+        self._open.add(client_w)
         tasks = [asyncio.ensure_future(self._pipe(client_r, upstream_w, self._request_seen)),
                  asyncio.ensure_future(self._pipe(upstream_r, client_w, self._answer_seen))]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -84,7 +84,16 @@ class DelayProxy:
             task.cancel()
         for writer in (client_w, upstream_w):
             writer.transport.abort()
-        self.connections -= 1
+        self._open.discard(client_w)
+
+    @property
+    def connections(self) -> int:
+        return len(self._open)
+
+    def cut_all(self) -> None:
+        """Drop every open connection, as a gateway restarting or a network change would."""
+        for writer in list(self._open):
+            writer.transport.abort()
 
     def _request_seen(self, data: bytes) -> None:
         if data.startswith(METHODS):  # one request at a time per connection: its head opens a chunk
@@ -215,7 +224,8 @@ async def idle_cost(env: BenchEnv, count: int, rtts: tuple[float, ...], interval
     """`count` notebooks open through the delay proxy; at each round trip time, every notebook
     runs one cell (at a random moment of `interval`), then all stay idle for `idle_seconds`
     while the proxy counts the requests they send. Last (if `paused`), the same once their
-    sandboxes have auto-paused, the notebooks still open."""
+    sandboxes have auto-paused, the notebooks still open; and again after the proxy has cut
+    every connection once (what a paused notebook does when its output stream drops)."""
     rows = []
     async with proxied(env, rtts[0]) as (proxy, kernel_env), kernels(SANDBOX, count, kernel_env) as notebooks:
         phases = random.Random(33)
@@ -237,4 +247,7 @@ async def idle_cost(env: BenchEnv, count: int, rtts: tuple[float, ...], interval
             await _pause_all(env, count)
             rows.append(await _idle_requests(proxy, count, idle_seconds,
                                              f"{label}, idle with their sandboxes auto-paused"))
+            proxy.cut_all()
+            rows.append(await _idle_requests(proxy, count, idle_seconds,
+                                             f"{label}, auto-paused, once their connections were cut"))
     return rows
