@@ -7,21 +7,46 @@ request sent while no other is waiting for its answer's head starts a new round 
 sent while another waits rides along (the three runner files uploaded at once are one).
 A process's output stream waits only for its head. Starts and cells also run alternately
 through a proxy without delay, and the rows give both times.
+
+idle_cost: many notebooks open through the proxy, each run one cell, then left idle; the
+requests they send while idle (per notebook per minute, by method and route) are what an
+idle notebook costs the service.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import re
 import statistics
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
-from common import SANDBOX, BenchEnv, Row, kernel, ms, run_ok
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
+from common import SANDBOX, BenchEnv, Row, kernel, kernels, ms, run_ok
+from sandbox_kernel.api import SandboxClient
+from sandbox_kernel.api.models import AUTO_PAUSE_MIN_SECONDS, PatchSandboxRequest, SandboxStatus
 from sandbox_kernel.config import ENV_VARS
 from sandbox_kernel.local.service import read_endpoint
 
 METHODS = (b"GET ", b"POST ", b"PUT ", b"DELETE ", b"PATCH ")
+# A path segment after one of these names an instance (sandbox, process...): counted as ":id".
+AN_ID = re.compile(r"/(sandboxes|processes|disks|screens|windows|snapshots)/(?!by-ip(?:/|$))[^/?]+")
+IDLE_SETTLE = 5.0  # seconds after the last cell before idle requests are counted
+PAUSE_WAIT = 60.0  # seconds past the auto-pause timeout for every idle sandbox to have paused
+
+
+def route(request_line: bytes) -> str:
+    """A request's method and path, ids replaced and query values dropped:
+    'GET /v1/sandboxes/sb-1/processes/7?after=3 HTTP/1.1' -> 'GET /v1/sandboxes/:id/processes/:id?after'."""
+    method, target = (request_line.decode("latin-1").split(" ") + ["", ""])[:2]
+    path, _, query = target.partition("?")
+    keys = sorted({pair.partition("=")[0] for pair in query.split("&") if pair})
+    path = AN_ID.sub(r"/\1/:id", path)
+    return f"{method} {path}" + (f"?{'&'.join(keys)}" if keys else "")
 
 
 class DelayProxy:
@@ -32,6 +57,9 @@ class DelayProxy:
         self.upstream_port = upstream_port
         self.one_way = one_way
         self.requests = 0
+        self.routes: Counter[str] = Counter()  # requests by route()
+        self.answer_bytes = 0  # everything the service sent (answers, stream frames)
+        self._open: set[asyncio.StreamWriter] = set()  # the kernels' ends of the connections open now
         self.round_trips = 0
         self._waiting = 0  # requests sent whose answer has not begun
         self.port = 0
@@ -48,6 +76,7 @@ class DelayProxy:
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         upstream_r, upstream_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self._open.add(client_w)
         tasks = [asyncio.ensure_future(self._pipe(client_r, upstream_w, self._request_seen)),
                  asyncio.ensure_future(self._pipe(upstream_r, client_w, self._answer_seen))]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -55,15 +84,27 @@ class DelayProxy:
             task.cancel()
         for writer in (client_w, upstream_w):
             writer.transport.abort()
+        self._open.discard(client_w)
+
+    @property
+    def connections(self) -> int:
+        return len(self._open)
+
+    def cut_all(self) -> None:
+        """Drop every open connection, as a gateway restarting or a network change would."""
+        for writer in list(self._open):
+            writer.transport.abort()
 
     def _request_seen(self, data: bytes) -> None:
         if data.startswith(METHODS):  # one request at a time per connection: its head opens a chunk
             self.requests += 1
+            self.routes[route(data.split(b"\r\n", 1)[0])] += 1
             if self._waiting == 0:
                 self.round_trips += 1
             self._waiting += 1
 
     def _answer_seen(self, data: bytes) -> None:
+        self.answer_bytes += len(data)
         if data.startswith(b"HTTP/1.") and self._waiting:
             self._waiting -= 1
 
@@ -142,4 +183,71 @@ async def measure(env: BenchEnv, rtt: float, starts: int, cells: int) -> list[Ro
                   f"({statistics.median(times[kind]['near']) * 1000:.1f} ms without the delay)")
         row.met = round_trips_made <= most
         rows.append(row)
+    return rows
+
+
+async def _idle_requests(proxy: DelayProxy, count: int, seconds: float, label: str) -> Row:
+    """Wait `seconds` while the proxy counts what `count` idle notebooks send; the row gives
+    requests per notebook per minute, by route, and the service's bytes and open connections."""
+    before, bytes_before = proxy.routes.copy(), proxy.answer_bytes
+    await asyncio.sleep(seconds)
+    sent = proxy.routes - before
+    per_minute = 60 / seconds / count
+    received = (proxy.answer_bytes - bytes_before) * per_minute
+    breakdown = ", ".join(f"{name} {times * per_minute:.2f}" for name, times in sent.most_common())
+    row = Row(f"{label}: requests per notebook per minute ({seconds:.0f} s counted; by route: "
+              f"{breakdown or 'none'}; meanwhile the service sent {received:.0f} bytes per notebook per "
+              f"minute (stream heartbeats) and {proxy.connections / count:.1f} connections per notebook "
+              "were open)", "requests/min", [sum(sent.values()) * per_minute], target="next to nothing: < 1")
+    row.met = row.sandbox[0] < 1
+    return row
+
+
+async def _pause_all(env: BenchEnv, count: int) -> None:
+    """Set every sandbox's auto-pause to the shortest CreateOS allows, and wait until all
+    `count` have paused themselves. Straight to the engine: the proxy does not count this."""
+    endpoint = read_endpoint(env.state_dir)
+    assert endpoint is not None
+    async with SandboxClient(endpoint.url, endpoint.token) as api:
+        for sandbox in await api.list_sandboxes():
+            await api.patch_sandbox(sandbox.id, PatchSandboxRequest(auto_pause_after_seconds=AUTO_PAUSE_MIN_SECONDS))
+        deadline = time.monotonic() + AUTO_PAUSE_MIN_SECONDS + PAUSE_WAIT
+        while len(await api.list_sandboxes(status=SandboxStatus.PAUSED.value)) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the idle sandboxes did not all auto-pause in "
+                                   f"{AUTO_PAUSE_MIN_SECONDS + PAUSE_WAIT:.0f} s")
+            await asyncio.sleep(5)
+
+
+async def idle_cost(env: BenchEnv, count: int, rtts: tuple[float, ...], interval: float,
+                    idle_seconds: float, paused: bool) -> list[Row]:
+    """`count` notebooks open through the delay proxy; at each round trip time, every notebook
+    runs one cell (at a random moment of `interval`), then all stay idle for `idle_seconds`
+    while the proxy counts the requests they send. Last (if `paused`), the same once their
+    sandboxes have auto-paused, the notebooks still open; and again after the proxy has cut
+    every connection once (what a paused notebook does when its output stream drops)."""
+    rows = []
+    async with proxied(env, rtts[0]) as (proxy, kernel_env), kernels(SANDBOX, count, kernel_env) as notebooks:
+        phases = random.Random(33)
+
+        async def one_cell(client: AsyncKernelClient, phase: float) -> float:
+            await asyncio.sleep(phase)
+            return (await run_ok(client, "x = 1")).seconds
+
+        for rtt in rtts:
+            proxy.one_way = rtt / 2
+            latencies = await asyncio.gather(*(one_cell(client, phases.uniform(0, interval))
+                                               for _, client in notebooks))
+            label = f"cloud, {rtt * 1000:g} ms round trip, {count} notebooks"
+            rows.append(Row(f"{label}: one cell in each (random moment in {interval:g} s)", "ms",
+                            ms(latencies), target="reported"))
+            await asyncio.sleep(IDLE_SETTLE)
+            rows.append(await _idle_requests(proxy, count, idle_seconds, f"{label}, idle after one cell each"))
+        if paused:
+            await _pause_all(env, count)
+            rows.append(await _idle_requests(proxy, count, idle_seconds,
+                                             f"{label}, idle with their sandboxes auto-paused"))
+            proxy.cut_all()
+            rows.append(await _idle_requests(proxy, count, idle_seconds,
+                                             f"{label}, auto-paused, once their connections were cut"))
     return rows

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ SANDBOX = "bench-sandbox"
 PLAIN = "bench-plain"
 START_TIMEOUT = 120.0
 CELL_TIMEOUT = 300.0
+START_AT_ONCE = 4  # kernels started (or shut down) at a time by kernels()
 
 
 # -- statistics -----------------------------------------------------------------------------
@@ -162,20 +163,60 @@ class CellRun:
         return [m for m in self.messages if m.msg_type == msg_type]
 
 
-@contextlib.asynccontextmanager
-async def kernel(name: str, env: dict[str, str] | None = None
-                 ) -> AsyncIterator[tuple[AsyncKernelManager, AsyncKernelClient]]:
-    """A started, ready kernel of kernelspec `name`: yields (manager, client)."""
+Kernel = tuple[AsyncKernelManager, AsyncKernelClient]
+
+
+async def _start(name: str, env: dict[str, str] | None) -> Kernel:
     manager = AsyncKernelManager(kernel_name=name)
     await manager.start_kernel(env={**os.environ, **(env or {})})
     client = manager.client()
     client.start_channels()
     try:
         await client.wait_for_ready(timeout=START_TIMEOUT)
-        yield manager, client
+    except BaseException:
+        await _stop((manager, client))
+        raise
+    return manager, client
+
+
+async def _stop(started: Kernel) -> None:
+    manager, client = started
+    client.stop_channels()
+    await manager.shutdown_kernel()
+
+
+@contextlib.asynccontextmanager
+async def kernel(name: str, env: dict[str, str] | None = None) -> AsyncIterator[Kernel]:
+    """A started, ready kernel of kernelspec `name`: yields (manager, client)."""
+    started = await _start(name, env)
+    try:
+        yield started
     finally:
-        client.stop_channels()
-        await manager.shutdown_kernel()
+        await _stop(started)
+
+
+@contextlib.asynccontextmanager
+async def kernels(name: str, count: int, env: dict[str, str] | None = None,
+                  at_once: int = START_AT_ONCE) -> AsyncIterator[list[Kernel]]:
+    """`count` started kernels of kernelspec `name`, at most `at_once` starting (and, on
+    exit, shutting down) at a time: a hundred starting together on two cores would starve
+    one another past START_TIMEOUT."""
+    gate = asyncio.Semaphore(at_once)
+
+    async def gated(step: Awaitable[Any]) -> Any:
+        async with gate:
+            return await step
+
+    outcomes = await asyncio.gather(*(gated(_start(name, env)) for _ in range(count)),
+                                    return_exceptions=True)
+    started = [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]
+    try:
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if failures:
+            raise RuntimeError(f"{len(failures)} of {count} {name} kernels did not start") from failures[0]
+        yield started
+    finally:
+        await asyncio.gather(*(gated(_stop(each)) for each in started), return_exceptions=True)
 
 
 async def run_cell(client: AsyncKernelClient, code: str, timeout: float = CELL_TIMEOUT) -> CellRun:

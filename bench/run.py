@@ -41,14 +41,21 @@ class Plan:
     lifecycle: int = 10
     lifecycle_mib: int = 200
     fan_out_batches: int = 3  # each: 10 forks of one source
-    density_kernels: int = 20
+    density_kernels: int = 100
+    density_interval: float = 5.0  # seconds between one notebook's cells
     density_seconds: float = 60.0
     cloud_starts: int = 5
     cloud_rtt: float = 0.030
+    idle_notebooks: int = 100  # notebooks left idle through the delay proxy (cloud.idle_cost)
+    idle_rtts: tuple[float, ...] = (0.030, 0.080)
+    idle_seconds: float = 120.0
+    idle_paused: bool = True  # also count once the sandboxes auto-paused (a minute's wait more)
 
 
 QUICK = Plan(round_trip=3, streaming=1, throughput=1, flood_mib=1, rich=1, frame_mb=0.2, starts=1,
-             lifecycle=1, lifecycle_mib=20, fan_out_batches=1, density_kernels=1, density_seconds=2.0, cloud_starts=1)
+             lifecycle=1, lifecycle_mib=20, fan_out_batches=1, density_kernels=1, density_interval=1.0,
+             density_seconds=2.0, cloud_starts=1, idle_notebooks=1, idle_rtts=(0.030,), idle_seconds=2.0,
+             idle_paused=False)
 
 
 async def cell_measures(plan: Plan, env: BenchEnv) -> list[Row]:
@@ -61,12 +68,19 @@ async def cell_measures(plan: Plan, env: BenchEnv) -> list[Row]:
         return rows
 
 
+async def cloud_measures(plan: Plan, env: BenchEnv) -> list[Row]:
+    rows = await cloud.measure(env, plan.cloud_rtt, plan.cloud_starts, plan.round_trip)
+    return rows + await cloud.idle_cost(env, plan.idle_notebooks, plan.idle_rtts, plan.density_interval,
+                                        plan.idle_seconds, plan.idle_paused)
+
+
 MEASURES: dict[str, Callable[[Plan, BenchEnv], Awaitable[list[Row]]]] = {
     "cells": cell_measures,
     "startup": lambda plan, env: startup.measure(plan.starts),
     "lifecycle": lambda plan, env: lifecycle.rows(plan.lifecycle, plan.lifecycle_mib, plan.fan_out_batches),
-    "density": lambda plan, env: density.measure(env, plan.density_kernels, plan.density_seconds),
-    "cloud": lambda plan, env: cloud.measure(env, plan.cloud_rtt, plan.cloud_starts, plan.round_trip),
+    "density": lambda plan, env: density.measure(env, plan.density_kernels, plan.density_interval,
+                                                  plan.density_seconds),
+    "cloud": cloud_measures,
 }
 
 
