@@ -13,7 +13,6 @@ import posixpath
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from sandbox_kernel.api import egress_rules, names
 from sandbox_kernel.kernel import magic_words
 from sandbox_kernel.sandbox import ownership
 from sandbox_kernel.api import EgressView, SandboxView
-from sandbox_kernel.api.models import parse_rfc3339
+from sandbox_kernel.sandbox.listing import describe_age, describe_seconds
 from sandbox_kernel.config import SHUTDOWN_POLICIES
 from sandbox_kernel.sandbox.cost import Cost
 from sandbox_kernel.kernel.magic_words import Word
@@ -199,22 +198,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 PARSER = build_parser()
 EGRESS_PARSER = build_egress_parser()
-
-
-def describe_age(created_at: str | None, now: datetime | None = None) -> str:
-    created = parse_rfc3339(created_at)
-    if created is None:
-        return "?"
-    return describe_seconds(((now or datetime.now(timezone.utc)) - created).total_seconds())
-
-
-def describe_seconds(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds < 120:
-        return f"{seconds} s"
-    if seconds < 7200:
-        return f"{seconds // 60} min"
-    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
 def status_rows(view: SandboxView, provider: str, policy: str, cost: Cost,
@@ -514,13 +497,9 @@ class SandboxMagics:
 
     async def egress_allow(self, args: argparse.Namespace) -> None:
         current = (await self.session.get_egress()).egress or []
-        if current and current != [BLOCK_ALL]:  # the server's list is normalized: [] is allow-all
-            await self._set_rules(egress_rules.add(current, checked(args.rules)))
-        elif current:  # from block-all, allowing these means: only these
-            await self._set_rules(checked(args.rules))
-        else:  # from all public destinations, the same, which narrows: say so
-            await self._set_rules(checked(args.rules), note=" (was: all public destinations; "
-                                  "every other destination is now refused)")
+        rules, narrowed = egress_rules.allowing(current, checked(args.rules))
+        await self._set_rules(rules, note=" (was: all public destinations; every other destination "
+                              "is now refused)" if narrowed else "")
 
     async def egress_deny(self, args: argparse.Namespace) -> None:
         gone = checked(args.rules)
@@ -577,16 +556,9 @@ class SandboxMagics:
 def checked(rules: list[str]) -> list[str]:
     """Validated before any request, with a one-line reason naming the bad rule."""
     try:
-        normalized = egress_rules.validate(egress_rules.expand_presets(rules))
+        return egress_rules.typed(rules)
     except egress_rules.EgressRuleError as exc:
         raise MagicError(f"%egress: {exc}") from None
-    # CreateOS accepts a bare word as a host rule, but typed in a magic it is almost always
-    # prose (`%egress allow not a rule`): a single-label name must come with a port.
-    words = [rule for rule in normalized if is_bare_word(rule)]
-    if words:
-        raise MagicError(f"%egress: {' '.join(repr(w) for w in words)} is not a rule: give a full host "
-                         "name (example.com), host:port, an IP address or a CIDR")
-    return normalized
 
 
 def preset_of(target: str) -> str | None:
@@ -602,12 +574,6 @@ def is_one_rule(target: str) -> bool:
     except egress_rules.EgressRuleError:
         return False
     return rule.kind in ("host", "ip") and str(rule) == target.lower()
-
-
-def is_bare_word(rule: str) -> bool:
-    parsed = egress_rules.parse(rule)
-    return (parsed.kind == "host" and parsed.port is None and "." not in str(parsed.host)
-            and parsed.host != "localhost")
 
 
 def describe_rules(rules: list[str]) -> str:

@@ -180,6 +180,7 @@ class SandboxSession:
             raise
         ownership.created(name, created.id)
         self.sandbox_id = created.id
+        ownership.drive(created.id)
         self._track(await client.get_sandbox(created.id))
         await self.start_runner(new_sandbox=True)
 
@@ -194,6 +195,7 @@ class SandboxSession:
             return False
         prepared = await early.prepared()
         self.sandbox_id, self.runner_info = prepared.sandbox_id, prepared.runner_info
+        ownership.drive(prepared.sandbox_id)
         # Together: one round trip (30 ms and more to a provider in the cloud), not two.
         view, _ = await asyncio.gather(self._client().get_sandbox(prepared.sandbox_id), self._open_channel())
         self._track(view)
@@ -305,6 +307,7 @@ class SandboxSession:
         previous = (self.sandbox_id, self.runner_info)
         self.sandbox_id = view.id
         ownership.use(view.id)
+        ownership.drive(view.id)
         try:
             if view.status != SandboxStatus.RUNNING:
                 await self.wake(progress)

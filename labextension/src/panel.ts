@@ -1,0 +1,326 @@
+// The "Sandboxes" side panel: every sandbox of the user's engine or CreateOS account, with
+// its actions, and the current notebook's network (egress rules and latest refusals).
+import { Dialog, InputDialog, showDialog } from '@jupyterlab/apputils';
+import { Widget } from '@lumino/widgets';
+import {
+  call,
+  dollars,
+  ICurrent,
+  IEgress,
+  IListing,
+  ISandbox,
+  sandboxPath
+} from './api';
+
+export const POLL_MS = 1500;
+
+/** What the panel needs to know of the notebook in focus, and how to open a notebook. */
+export interface INotebookFocus {
+  kernelId(): string | null;
+  kernelName(): string | null;
+  directory(): string;
+  open(path: string): void;
+}
+
+function element<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  className = '',
+  text = ''
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  if (className) {
+    node.className = className;
+  }
+  if (text) {
+    node.textContent = text;
+  }
+  return node;
+}
+
+export class SandboxesPanel extends Widget {
+  private readonly heading = element('div', 'jp-SandboxPanel-heading');
+  private readonly error = element('div', 'jp-SandboxPanel-error');
+  private readonly rows = element('tbody');
+  private readonly network = element('div', 'jp-SandboxPanel-network');
+  private readonly networkTitle = element('h3', '', "This notebook's network");
+  private readonly rulesText = element('div', 'jp-SandboxPanel-rules');
+  private readonly rulesInput = element('input', 'jp-SandboxPanel-rulesInput');
+  private readonly refusals = element('tbody');
+  private timer: number | null = null;
+  private current: string | null = null; // the focused notebook's sandbox id
+  private busy = false;
+
+  constructor(private readonly focus: INotebookFocus) {
+    super();
+    this.id = 'sandbox-kernel-panel';
+    this.addClass('jp-SandboxPanel');
+    this.title.caption = 'Sandboxes';
+    this.title.label = 'Sandboxes';
+
+    const table = element('table', 'jp-SandboxPanel-table');
+    const head = element('thead');
+    const headRow = element('tr');
+    for (const label of ['Name', 'State', 'Owner', 'Age', 'Shape', 'Cost/h', 'So far', '']) {
+      headRow.appendChild(element('th', '', label));
+    }
+    head.appendChild(headRow);
+    table.append(head, this.rows);
+
+    this.rulesInput.placeholder = 'rules: example.com api.example.org:443 10.0.0.0/8 pypi';
+    const save = this.button('Save rules', 'save-rules', () => this.saveRules());
+    const blockAll = this.button('Block all', 'block-all', () =>
+      this.putRules([], true)
+    );
+    const openAll = this.button('Allow all public', 'allow-all', () =>
+      this.putRules([], false)
+    );
+    const editor = element('div', 'jp-SandboxPanel-editor');
+    editor.append(this.rulesInput, save, blockAll, openAll);
+    const refusalTable = element('table', 'jp-SandboxPanel-refusals');
+    const refusalHead = element('tr');
+    for (const label of ['When', 'Destination', 'Reason', '']) {
+      refusalHead.appendChild(element('th', '', label));
+    }
+    refusalTable.append(element('thead'), this.refusals);
+    refusalTable.tHead!.appendChild(refusalHead);
+    this.network.append(
+      this.networkTitle,
+      this.rulesText,
+      editor,
+      element('h4', '', 'Latest refusals'),
+      refusalTable
+    );
+    this.node.append(this.heading, this.error, table, this.network);
+  }
+
+  protected onAfterShow(): void {
+    void this.refresh();
+    if (this.timer === null) {
+      this.timer = window.setInterval(() => void this.refresh(), POLL_MS);
+    }
+  }
+
+  protected onAfterHide(): void {
+    if (this.timer !== null) {
+      window.clearInterval(this.timer);
+      this.timer = null;
+    }
+  }
+
+  dispose(): void {
+    this.onAfterHide();
+    super.dispose();
+  }
+
+  async refresh(): Promise<void> {
+    if (this.busy) {
+      return; // an action is under way: its own refresh follows
+    }
+    try {
+      const listing = await call<IListing>('sandboxes');
+      const kernelId = this.focus.kernelId();
+      this.current = kernelId
+        ? ((await call<ICurrent>(`kernels/${encodeURIComponent(kernelId)}`)).sandbox
+            ?.id ?? null)
+        : null;
+      this.render(listing);
+      await this.renderNetwork();
+    } catch (error) {
+      this.showError((error as Error).message);
+    }
+  }
+
+  private render(listing: IListing): void {
+    this.heading.textContent =
+      `${listing.sandboxes.length} sandbox(es) on ${listing.provider}` +
+      (listing.note ? ` (${listing.note})` : '');
+    this.rows.replaceChildren(...listing.sandboxes.map(s => this.row(s)));
+  }
+
+  private row(sandbox: ISandbox): HTMLTableRowElement {
+    const row = element('tr', 'jp-SandboxPanel-row');
+    row.dataset.sandboxId = sandbox.id;
+    row.dataset.status = sandbox.status;
+    if (sandbox.id === this.current) {
+      row.classList.add('jp-mod-current');
+    }
+    const name = element('td', 'jp-SandboxPanel-name', sandbox.name);
+    name.title = sandbox.id + (sandbox.forked_from ? `, forked from ${sandbox.forked_from}` : '');
+    const owner = element('td', 'jp-SandboxPanel-owner', sandbox.owner.label);
+    owner.dataset.kind = sandbox.owner.kind;
+    if (sandbox.driven_by.length) {
+      owner.title = `driven by ${sandbox.driven_by.join(', ')}`;
+    }
+    const actions = element('td', 'jp-SandboxPanel-actions');
+    if (sandbox.status === 'running') {
+      actions.appendChild(this.button('Pause', 'pause', () => this.act(sandbox, 'pause')));
+    } else if (sandbox.status === 'paused') {
+      actions.appendChild(this.button('Resume', 'resume', () => this.act(sandbox, 'resume')));
+    }
+    actions.append(
+      this.button('Fork', 'fork', () => this.fork(sandbox)),
+      this.button('Keep', 'keep', () => this.act(sandbox, 'keep')),
+      this.button('Open', 'open', () => this.openNotebook(sandbox)),
+      this.button('Destroy', 'destroy', () => this.destroy(sandbox))
+    );
+    (actions.querySelector("[data-action='keep']") as HTMLButtonElement).disabled =
+      sandbox.owner.kind === 'kept' || sandbox.owner.kind === 'warm pool';
+    row.append(
+      name,
+      element('td', 'jp-SandboxPanel-state', sandbox.status),
+      owner,
+      element('td', '', sandbox.age),
+      element('td', '', sandbox.shape),
+      element('td', '', dollars(sandbox.cost_per_hour)),
+      element('td', '', dollars(sandbox.cost_so_far)),
+      actions
+    );
+    return row;
+  }
+
+  private button(label: string, action: string, run: () => Promise<void>): HTMLButtonElement {
+    const button = element('button', 'jp-Button jp-mod-styled jp-mod-small', label);
+    button.dataset.action = action;
+    button.addEventListener('click', () => void this.run(run));
+    return button;
+  }
+
+  /** One action at a time; its error is the panel's one line; then a fresh listing. */
+  private async run(work: () => Promise<void>): Promise<void> {
+    if (this.busy) {
+      return;
+    }
+    this.busy = true;
+    this.node.classList.add('jp-mod-busy');
+    this.showError('');
+    try {
+      await work();
+    } catch (error) {
+      this.showError((error as Error).message);
+    } finally {
+      this.busy = false;
+      this.node.classList.remove('jp-mod-busy');
+    }
+    await this.refresh();
+  }
+
+  private async act(sandbox: ISandbox, action: string): Promise<void> {
+    await call(sandboxPath(sandbox.id, action), 'POST', {});
+  }
+
+  private async fork(sandbox: ISandbox): Promise<void> {
+    const answer = await InputDialog.getText({
+      title: `Fork ${sandbox.name}`,
+      label: 'Name of the fork (optional; lowercase letters, digits, -). ' +
+        'The sandbox is paused first and stays paused until its notebook runs a cell.',
+      placeholder: 'my-experiment',
+      okLabel: 'Fork'
+    });
+    if (!answer.button.accept) {
+      return;
+    }
+    await call(sandboxPath(sandbox.id, 'fork'), 'POST', { name: (answer.value || '').trim() });
+  }
+
+  private async destroy(sandbox: ISandbox): Promise<void> {
+    const driven = sandbox.driven_by.length
+      ? ` ${sandbox.driven_by.join(', ')} runs its cells there.`
+      : '';
+    const answer = await showDialog({
+      title: `Destroy ${sandbox.name}?`,
+      body: `Sandbox ${sandbox.id} and everything in it (files, variables) will be gone.${driven}`,
+      buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Destroy' })]
+    });
+    if (answer.button.accept) {
+      await call(sandboxPath(sandbox.id), 'DELETE');
+    }
+  }
+
+  private async openNotebook(sandbox: ISandbox): Promise<void> {
+    const opened = await call<{ path: string }>(sandboxPath(sandbox.id, 'open'), 'POST', {
+      kernel_name: this.focus.kernelName() ?? '',
+      directory: this.focus.directory()
+    });
+    this.focus.open(opened.path);
+  }
+
+  // -- the current notebook's network ---------------------------------------------------
+
+  private async renderNetwork(): Promise<void> {
+    const sandboxId = this.current;
+    this.network.dataset.sandboxId = sandboxId ?? '';
+    if (!sandboxId) {
+      this.network.classList.add('jp-mod-hidden');
+      return;
+    }
+    this.network.classList.remove('jp-mod-hidden');
+    const egress = await call<IEgress>(sandboxPath(sandboxId, 'egress'));
+    if (sandboxId !== this.current) {
+      return;
+    }
+    this.rulesText.textContent = egress.block_all
+      ? 'Rules: nothing (all outbound connections blocked)'
+      : egress.rules.length
+        ? `Rules: only ${egress.rules.join(', ')}`
+        : 'Rules: all public destinations (no rules)';
+    this.rulesText.dataset.rules = egress.rules.join(' ');
+    if (egress.denied_count === null) {
+      this.refusals.replaceChildren(
+        this.note('this provider does not report refusals')
+      );
+      return;
+    }
+    this.refusals.replaceChildren(
+      ...(egress.denied.length
+        ? egress.denied.map(refusal => {
+            const row = element('tr', 'jp-SandboxPanel-refusal');
+            const target = `${refusal.host}:${refusal.port}`;
+            row.dataset.target = target;
+            const allow = element('td');
+            allow.appendChild(this.button('Allow', 'allow', () => this.allow(sandboxId, target)));
+            row.append(
+              element('td', '', new Date(refusal.at).toLocaleTimeString()),
+              element('td', '', target),
+              element('td', '', refusal.reason),
+              allow
+            );
+            return row;
+          })
+        : [this.note('none')])
+    );
+  }
+
+  private note(text: string): HTMLTableRowElement {
+    const row = element('tr');
+    const cell = element('td', 'jp-SandboxPanel-none', text);
+    cell.colSpan = 4;
+    row.appendChild(cell);
+    return row;
+  }
+
+  private async allow(sandboxId: string, target: string): Promise<void> {
+    await call(sandboxPath(sandboxId, 'egress', 'allow'), 'POST', { target });
+  }
+
+  private async saveRules(): Promise<void> {
+    const rules = this.rulesInput.value.split(/[\s,]+/).filter(rule => rule);
+    if (!rules.length) {
+      throw new Error('type one or more rules, or use Block all / Allow all public');
+    }
+    await this.putRules(rules, false);
+    this.rulesInput.value = '';
+  }
+
+  private async putRules(rules: string[], blockAll: boolean): Promise<void> {
+    if (!this.current) {
+      throw new Error('the notebook in focus drives no sandbox');
+    }
+    // The server extension validates the rules as %egress does.
+    await call(sandboxPath(this.current, 'egress'), 'PUT', blockAll ? { block_all: true } : { rules });
+  }
+
+  private showError(message: string): void {
+    this.error.textContent = message;
+    this.error.classList.toggle('jp-mod-hidden', !message);
+  }
+}
