@@ -44,6 +44,7 @@ export interface IEgress {
   block_all: boolean;
   denied_count: number | null;
   denied: IRefusal[];
+  note?: string;
 }
 
 export interface ICurrent {

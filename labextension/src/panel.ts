@@ -40,7 +40,7 @@ function element<K extends keyof HTMLElementTagNameMap>(
 export class SandboxesPanel extends Widget {
   private readonly heading = element('div', 'jp-SandboxPanel-heading');
   private readonly error = element('div', 'jp-SandboxPanel-error');
-  private readonly rows = element('tbody');
+  private readonly rows = element('div', 'jp-SandboxPanel-rows');
   private readonly network = element('div', 'jp-SandboxPanel-network');
   private readonly networkTitle = element('h3', '', "This notebook's network");
   private readonly rulesText = element('div', 'jp-SandboxPanel-rules');
@@ -49,6 +49,7 @@ export class SandboxesPanel extends Widget {
   private timer: number | null = null;
   private current: string | null = null; // the focused notebook's sandbox id
   private busy = false;
+  private notice = ''; // the last action's note, shown until the next action
 
   constructor(private readonly focus: INotebookFocus) {
     super();
@@ -57,14 +58,8 @@ export class SandboxesPanel extends Widget {
     this.title.caption = 'Sandboxes';
     this.title.label = 'Sandboxes';
 
-    const table = element('table', 'jp-SandboxPanel-table');
-    const head = element('thead');
-    const headRow = element('tr');
-    for (const label of ['Name', 'State', 'Owner', 'Age', 'Shape', 'Cost/h', 'So far', '']) {
-      headRow.appendChild(element('th', '', label));
-    }
-    head.appendChild(headRow);
-    table.append(head, this.rows);
+    const list = element('div', 'jp-SandboxPanel-list');
+    list.appendChild(this.rows);
 
     this.rulesInput.placeholder = 'rules: example.com api.example.org:443 10.0.0.0/8 pypi';
     const save = this.button('Save rules', 'save-rules', () => this.saveRules());
@@ -75,7 +70,9 @@ export class SandboxesPanel extends Widget {
       this.putRules([], false)
     );
     const editor = element('div', 'jp-SandboxPanel-editor');
-    editor.append(this.rulesInput, save, blockAll, openAll);
+    const editorButtons = element('div', 'jp-SandboxPanel-buttons');
+    editorButtons.append(save, blockAll, openAll);
+    editor.append(this.rulesInput, editorButtons);
     const refusalTable = element('table', 'jp-SandboxPanel-refusals');
     const refusalHead = element('tr');
     for (const label of ['When', 'Destination', 'Reason', '']) {
@@ -90,7 +87,7 @@ export class SandboxesPanel extends Widget {
       element('h4', '', 'Latest refusals'),
       refusalTable
     );
-    this.node.append(this.heading, this.error, table, this.network);
+    this.node.append(this.heading, this.error, list, this.network);
   }
 
   protected onAfterShow(): void {
@@ -126,7 +123,9 @@ export class SandboxesPanel extends Widget {
       this.render(listing);
       await this.renderNetwork();
     } catch (error) {
-      this.showError((error as Error).message);
+      // The listing's own trouble goes in the heading, and goes when it does; an action's
+      // error stays below it until the next action.
+      this.heading.textContent = `Sandboxes: ${(error as Error).message}`;
     }
   }
 
@@ -137,49 +136,57 @@ export class SandboxesPanel extends Widget {
     this.rows.replaceChildren(...listing.sandboxes.map(s => this.row(s)));
   }
 
-  private row(sandbox: ISandbox): HTMLTableRowElement {
-    const row = element('tr', 'jp-SandboxPanel-row');
+  /** One sandbox as a card: name and state; owner, age, shape; cost; its actions. */
+  private row(sandbox: ISandbox): HTMLDivElement {
+    const row = element('div', 'jp-SandboxPanel-row');
     row.dataset.sandboxId = sandbox.id;
     row.dataset.status = sandbox.status;
+    const title = element('div', 'jp-SandboxPanel-title');
+    const name = element('span', 'jp-SandboxPanel-name', sandbox.name);
+    name.title = sandbox.id + (sandbox.forked_from ? `, forked from ${sandbox.forked_from}` : '');
+    const state = element('span', 'jp-SandboxPanel-state', sandbox.status);
+    state.dataset.status = sandbox.status;
+    title.append(name, state);
     if (sandbox.id === this.current) {
       row.classList.add('jp-mod-current');
+      title.appendChild(element('span', 'jp-SandboxPanel-here', 'this notebook'));
     }
-    const name = element('td', 'jp-SandboxPanel-name', sandbox.name);
-    name.title = sandbox.id + (sandbox.forked_from ? `, forked from ${sandbox.forked_from}` : '');
-    const owner = element('td', 'jp-SandboxPanel-owner', sandbox.owner.label);
+    const owner = element('span', 'jp-SandboxPanel-owner', sandbox.owner.label);
     owner.dataset.kind = sandbox.owner.kind;
-    if (sandbox.driven_by.length) {
-      owner.title = `driven by ${sandbox.driven_by.join(', ')}`;
-    }
-    const actions = element('td', 'jp-SandboxPanel-actions');
+    owner.title = sandbox.driven_by.length
+      ? `owner: ${sandbox.owner.label}; cells run from ${sandbox.driven_by.join(', ')}`
+      : `owner: ${sandbox.owner.label}`;
+    const facts = element('div', 'jp-SandboxPanel-facts');
+    facts.append(
+      owner,
+      element('span', '', ` · ${sandbox.age} old · ${sandbox.shape}`)
+    );
+    const cost = element(
+      'div',
+      'jp-SandboxPanel-cost',
+      `${dollars(sandbox.cost_per_hour)}/h now · ${dollars(sandbox.cost_so_far)} so far`
+    );
+    const actions = element('div', 'jp-SandboxPanel-buttons');
     if (sandbox.status === 'running') {
       actions.appendChild(this.button('Pause', 'pause', () => this.act(sandbox, 'pause')));
     } else if (sandbox.status === 'paused') {
       actions.appendChild(this.button('Resume', 'resume', () => this.act(sandbox, 'resume')));
     }
+    const keep = this.button('Keep', 'keep', () => this.act(sandbox, 'keep'));
+    keep.disabled = sandbox.owner.kind === 'kept' || sandbox.owner.kind === 'warm pool';
+    keep.title = 'Let it outlive its notebook (gc leaves it)';
     actions.append(
       this.button('Fork', 'fork', () => this.fork(sandbox)),
-      this.button('Keep', 'keep', () => this.act(sandbox, 'keep')),
-      this.button('Open', 'open', () => this.openNotebook(sandbox)),
+      keep,
+      this.button('Open in a new notebook', 'open', () => this.openNotebook(sandbox)),
       this.button('Destroy', 'destroy', () => this.destroy(sandbox))
     );
-    (actions.querySelector("[data-action='keep']") as HTMLButtonElement).disabled =
-      sandbox.owner.kind === 'kept' || sandbox.owner.kind === 'warm pool';
-    row.append(
-      name,
-      element('td', 'jp-SandboxPanel-state', sandbox.status),
-      owner,
-      element('td', '', sandbox.age),
-      element('td', '', sandbox.shape),
-      element('td', '', dollars(sandbox.cost_per_hour)),
-      element('td', '', dollars(sandbox.cost_so_far)),
-      actions
-    );
+    row.append(title, facts, cost, actions);
     return row;
   }
 
   private button(label: string, action: string, run: () => Promise<void>): HTMLButtonElement {
-    const button = element('button', 'jp-Button jp-mod-styled jp-mod-small', label);
+    const button = element('button', 'jp-SandboxPanel-button', label);
     button.dataset.action = action;
     button.addEventListener('click', () => void this.run(run));
     return button;
@@ -193,6 +200,7 @@ export class SandboxesPanel extends Widget {
     this.busy = true;
     this.node.classList.add('jp-mod-busy');
     this.showError('');
+    this.notice = '';
     try {
       await work();
     } catch (error) {
@@ -202,6 +210,9 @@ export class SandboxesPanel extends Widget {
       this.node.classList.remove('jp-mod-busy');
     }
     await this.refresh();
+    if (this.notice && !this.error.textContent) {
+      this.showError(this.notice);
+    }
   }
 
   private async act(sandbox: ISandbox, action: string): Promise<void> {
@@ -299,7 +310,10 @@ export class SandboxesPanel extends Widget {
   }
 
   private async allow(sandboxId: string, target: string): Promise<void> {
-    await call(sandboxPath(sandboxId, 'egress', 'allow'), 'POST', { target });
+    const egress = await call<IEgress>(sandboxPath(sandboxId, 'egress', 'allow'), 'POST', {
+      target
+    });
+    this.notice = egress.note ?? '';
   }
 
   private async saveRules(): Promise<void> {

@@ -8,7 +8,7 @@ token or the CreateOS key stays on the host). Every error is JSON: {"message": o
   POST   /sandbox-kernel/sandboxes/ID/open              {"kernel_name", "directory"}: a new notebook
   DELETE /sandbox-kernel/sandboxes/ID
   GET    /sandbox-kernel/sandboxes/ID/egress            rules and latest refusals
-  PUT    /sandbox-kernel/sandboxes/ID/egress            {"rules": [...]}
+  PUT    /sandbox-kernel/sandboxes/ID/egress            {"rules": [...]} or {"block_all": true}
   POST   /sandbox-kernel/sandboxes/ID/egress/allow      {"target": "host:port"}
   GET    /sandbox-kernel/kernels/KERNEL_ID              the sandbox a notebook's kernel drives
 """
@@ -23,7 +23,7 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from sandbox_kernel.api import SandboxAPIError
+from sandbox_kernel.api import SandboxAPIError, names
 from sandbox_kernel.config import ConfigError
 from sandbox_kernel.jupyter_panel.notebooks import Notebooks
 from sandbox_kernel.jupyter_panel.sandboxes import PanelError, Sandboxes
@@ -102,8 +102,9 @@ class ActionHandler(PanelHandler):
             view = await self.sandboxes.view(client, ref)
         if view.status.is_gone:
             raise PanelError(f"sandbox {view.id} is {view.status.value}", 409)
-        label = ref if ref != view.id else (view.name or view.id)
-        return {"path": await self.notebooks.open_attached(view.id, label, kernel_name, directory)}
+        label = names.display_name(view)
+        return {"path": await self.notebooks.open_attached(view.id, label if label != "-" else view.id,
+                                                           kernel_name, directory)}
 
 
 class SandboxHandler(PanelHandler):
@@ -122,9 +123,14 @@ class EgressHandler(PanelHandler):
 
     @web.authenticated
     async def put(self, ref: str) -> None:
-        rules = self.body().get("rules")
+        body = self.body()
+        if body.get("block_all") is True:
+            await self.answer(self.sandboxes.block_all(ref))
+            return
+        rules = body.get("rules")
         if not isinstance(rules, list):
-            raise web.HTTPError(400, "rules must be a list of strings ([] allows every public destination)")
+            raise web.HTTPError(400, "rules must be a list of strings ([] allows every public destination), "
+                                "or block_all true")
         await self.answer(self.sandboxes.set_egress(ref, rules))
 
 

@@ -190,14 +190,25 @@ class Sandboxes:
             view = await self.view(client, ref)
             return self._egress_json(await client.set_egress(view.id, rules))
 
+    async def block_all(self, ref: str) -> dict[str, Any]:
+        """Refuse every destination: CreateOS has no deny-all word, so one rule that matches
+        nothing (egress_rules.DENY_ALL), as `%egress block-all` sets."""
+        async with self.client() as client:
+            view = await self.view(client, ref)
+            return self._egress_json(await client.set_egress(view.id, [egress_rules.DENY_ALL]))
+
     async def allow(self, ref: str, target: str) -> dict[str, Any]:
         """Allow one refused destination (host:port as the refusal names it), as `%egress allow` does."""
         rule = checked([target])
         async with self.client() as client:
             view = await self.view(client, ref)
             current = (await client.get_egress(view.id)).egress or []
-            rules, _ = egress_rules.allowing(current, rule)
-            return self._egress_json(await client.set_egress(view.id, rules))
+            rules, narrowed = egress_rules.allowing(current, rule)
+            answer = self._egress_json(await client.set_egress(view.id, rules))
+        if narrowed:
+            answer["note"] = (f"allowed {rule[0]}; this was: all public destinations, so every other "
+                              "destination is now refused")
+        return answer
 
     @staticmethod
     def _egress_json(view: Any) -> dict[str, Any]:
