@@ -45,7 +45,7 @@ export class SandboxesPanel extends Widget {
   private readonly networkTitle = element('h3', '', "This notebook's network");
   private readonly rulesText = element('div', 'jp-SandboxPanel-rules');
   private readonly rulesInput = element('input', 'jp-SandboxPanel-rulesInput');
-  private readonly refusals = element('tbody');
+  private readonly refusals = element('div', 'jp-SandboxPanel-refusals');
   private timer: number | null = null;
   private current: string | null = null; // the focused notebook's sandbox id
   private busy = false;
@@ -73,19 +73,12 @@ export class SandboxesPanel extends Widget {
     const editorButtons = element('div', 'jp-SandboxPanel-buttons');
     editorButtons.append(save, blockAll, openAll);
     editor.append(this.rulesInput, editorButtons);
-    const refusalTable = element('table', 'jp-SandboxPanel-refusals');
-    const refusalHead = element('tr');
-    for (const label of ['When', 'Destination', 'Reason', '']) {
-      refusalHead.appendChild(element('th', '', label));
-    }
-    refusalTable.append(element('thead'), this.refusals);
-    refusalTable.tHead!.appendChild(refusalHead);
     this.network.append(
       this.networkTitle,
       this.rulesText,
       editor,
       element('h4', '', 'Latest refusals'),
-      refusalTable
+      this.refusals
     );
     this.node.append(this.heading, this.error, list, this.network);
   }
@@ -284,29 +277,30 @@ export class SandboxesPanel extends Widget {
     this.refusals.replaceChildren(
       ...(egress.denied.length
         ? egress.denied.map(refusal => {
-            const row = element('tr', 'jp-SandboxPanel-refusal');
             const target = `${refusal.host}:${refusal.port}`;
-            row.dataset.target = target;
-            const allow = element('td');
-            allow.appendChild(this.button('Allow', 'allow', () => this.allow(sandboxId, target)));
-            row.append(
-              element('td', '', new Date(refusal.at).toLocaleTimeString()),
-              element('td', '', target),
-              element('td', '', refusal.reason),
-              allow
+            const item = element('div', 'jp-SandboxPanel-refusal');
+            item.dataset.target = target;
+            const line = element('div', 'jp-SandboxPanel-title');
+            line.append(
+              element('span', 'jp-SandboxPanel-name', target),
+              this.button('Allow', 'allow', () => this.allow(sandboxId, target))
             );
-            return row;
+            item.append(
+              line,
+              element(
+                'div',
+                'jp-SandboxPanel-facts',
+                `${new Date(refusal.at).toLocaleTimeString()}: ${refusal.reason}`
+              )
+            );
+            return item;
           })
         : [this.note('none')])
     );
   }
 
-  private note(text: string): HTMLTableRowElement {
-    const row = element('tr');
-    const cell = element('td', 'jp-SandboxPanel-none', text);
-    cell.colSpan = 4;
-    row.appendChild(cell);
-    return row;
+  private note(text: string): HTMLDivElement {
+    return element('div', 'jp-SandboxPanel-none', text);
   }
 
   private async allow(sandboxId: string, target: string): Promise<void> {

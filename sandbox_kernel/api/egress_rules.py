@@ -313,9 +313,17 @@ def typed(rules: Iterable[str]) -> list[str]:
     # prose (`%egress allow not a rule`): a single-label name must come with a port.
     words = [rule for rule in normalized if _is_bare_word(rule)]
     if words:
-        raise EgressRuleError(f"{' '.join(repr(w) for w in words)} is not a rule: give a full host "
-                              "name (example.com), host:port, an IP address or a CIDR")
+        raise NotARuleError(words)
     return normalized
+
+
+class NotARuleError(EgressRuleError):
+    """Single words typed as rules (prose, most likely): one line naming them all."""
+
+    def __init__(self, words: list[str]) -> None:
+        self.rule, self.reason = words, "a single word is not a host rule"
+        ValueError.__init__(self, f"{' '.join(repr(w) for w in words)} is not a rule: give a full host "
+                                  "name (example.com), host:port, an IP address or a CIDR")
 
 
 def _is_bare_word(rule: str) -> bool:
