@@ -23,6 +23,13 @@ export interface ISandbox {
   cost_per_hour: number;
   cost_so_far: number;
   driven_by: string[];
+  usage?: IUsage | null; // only for the notebook in focus (kernels/ID?usage=1)
+}
+
+export interface IUsage {
+  cpu_percent: number | null;
+  memory_used: number | null;
+  memory_total: number | null;
 }
 
 export interface IListing {

@@ -9,6 +9,7 @@ import {
   IEgress,
   IListing,
   ISandbox,
+  IUsage,
   sandboxPath
 } from './api';
 
@@ -37,6 +38,17 @@ function element<K extends keyof HTMLElementTagNameMap>(
   return node;
 }
 
+const MIB = 1024 * 1024;
+
+function describeUsage(usage: IUsage): string {
+  const cpu = usage.cpu_percent === null ? 'CPU ?' : `CPU ${usage.cpu_percent.toFixed(0)}%`;
+  const memory =
+    usage.memory_used === null || usage.memory_total === null
+      ? 'memory ?'
+      : `memory ${(usage.memory_used / MIB).toFixed(0)} of ${(usage.memory_total / MIB).toFixed(0)} MiB`;
+  return `now: ${cpu} · ${memory}`;
+}
+
 export class SandboxesPanel extends Widget {
   private readonly heading = element('div', 'jp-SandboxPanel-heading');
   private readonly error = element('div', 'jp-SandboxPanel-error');
@@ -48,6 +60,7 @@ export class SandboxesPanel extends Widget {
   private readonly refusals = element('div', 'jp-SandboxPanel-refusals');
   private timer: number | null = null;
   private current: string | null = null; // the focused notebook's sandbox id
+  private usage: IUsage | null = null; // its CPU and memory now, as its kernel reports them
   private busy = false;
   private notice = ''; // the last action's note, shown until the next action
 
@@ -109,10 +122,11 @@ export class SandboxesPanel extends Widget {
     try {
       const listing = await call<IListing>('sandboxes');
       const kernelId = this.focus.kernelId();
-      this.current = kernelId
-        ? ((await call<ICurrent>(`kernels/${encodeURIComponent(kernelId)}`)).sandbox
-            ?.id ?? null)
+      const current = kernelId
+        ? (await call<ICurrent>(`kernels/${encodeURIComponent(kernelId)}?usage=1`)).sandbox
         : null;
+      this.current = current?.id ?? null;
+      this.usage = current?.usage ?? null;
       this.render(listing);
       await this.renderNetwork();
     } catch (error) {
@@ -174,7 +188,11 @@ export class SandboxesPanel extends Widget {
       this.button('Open in a new notebook', 'open', () => this.openNotebook(sandbox)),
       this.button('Destroy', 'destroy', () => this.destroy(sandbox))
     );
-    row.append(title, facts, cost, actions);
+    row.append(title, facts, cost);
+    if (sandbox.id === this.current && this.usage) {
+      row.appendChild(element('div', 'jp-SandboxPanel-usage', describeUsage(this.usage)));
+    }
+    row.appendChild(actions);
     return row;
   }
 

@@ -10,7 +10,8 @@ token or the CreateOS key stays on the host). Every error is JSON: {"message": o
   GET    /sandbox-kernel/sandboxes/ID/egress            rules and latest refusals
   PUT    /sandbox-kernel/sandboxes/ID/egress            {"rules": [...]} or {"block_all": true}
   POST   /sandbox-kernel/sandboxes/ID/egress/allow      {"target": "host:port"}
-  GET    /sandbox-kernel/kernels/KERNEL_ID              the sandbox a notebook's kernel drives
+  GET    /sandbox-kernel/kernels/KERNEL_ID[?usage=1]    the sandbox a notebook's kernel drives
+                                                        (with its CPU and memory now)
 """
 
 from __future__ import annotations
@@ -154,6 +155,10 @@ class KernelHandler(PanelHandler):
             return {"sandbox": None}
         listed = await self.sandboxes.listing(await self.notebooks.owners())
         row = next((row for row in listed["sandboxes"] if row["id"] == sandbox_id), None)
+        # Only asked for (the panel asks for the notebook in focus while it shows) and only of a
+        # running sandbox: the kernel asks its sandbox, which would wake a paused one.
+        if row is not None and row["status"] == "running" and self.get_argument("usage", "") == "1":
+            row["usage"] = await self.notebooks.usage(kernel_id)
         return {"sandbox": row, "provider": listed["provider"]}
 
 

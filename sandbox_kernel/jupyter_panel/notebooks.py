@@ -7,6 +7,7 @@ drives under its pid in the state dir (ownership.drive)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
 import re
@@ -20,6 +21,7 @@ from sandbox_kernel.jupyter_panel.sandboxes import Owners, PanelError
 from sandbox_kernel.sandbox import ownership
 
 KERNEL_MODULE = "sandbox_kernel.kernel"
+USAGE_WAIT = 6.0  # the kernel itself waits up to 5 s for its sandbox's answer (kernel/handlers.py)
 
 
 class Notebooks:
@@ -53,6 +55,37 @@ class Notebooks:
             raise PanelError(f"no kernel {kernel_id!r} on this server", 404)
         pid = self.pid_of(kernel_id)
         return ownership.driven_by(pid) if pid is not None else None
+
+    async def usage(self, kernel_id: str) -> dict[str, float | None] | None:
+        """The CPU and memory of the sandbox the kernel drives, as the kernel reports them to
+        JupyterLab's kernel usage panel (a usage_request on its control channel: the kernel
+        asks its sandbox); None if it does not answer in time or has no sample."""
+        client = self.kernels.get_kernel(kernel_id).client()
+        client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+        try:
+            request = client.session.msg("usage_request", {})
+            client.control_channel.send(request)
+            reply = await asyncio.wait_for(self._reply_to(client, request["header"]["msg_id"]), USAGE_WAIT)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            client.stop_channels()
+        content = reply.get("content") or {}
+        memory = content.get("host_virtual_memory") or {}
+        if content.get("reason") or not isinstance(memory, dict):
+            return None
+        numbers = {"cpu_percent": content.get("host_cpu_percent"), "memory_used": memory.get("used"),
+                   "memory_total": memory.get("total")}
+        # From the sandbox, through the kernel: only numbers pass.
+        return {key: float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+                for key, value in numbers.items()}
+
+    @staticmethod
+    async def _reply_to(client: Any, msg_id: str) -> dict[str, Any]:
+        while True:
+            message = await client.control_channel.get_msg()
+            if message.get("parent_header", {}).get("msg_id") == msg_id:
+                return message
 
     async def open_attached(self, sandbox_id: str, label: str, kernel_name: str, directory: str) -> str:
         """A new notebook in `directory` whose kernel drives `sandbox_id`; its path.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import http.server
+import re
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -115,6 +116,8 @@ def test_pause_resume_keep_from_the_panel_and_the_status_bar_follows(
         assert api_view(engine, sandbox_id).status.value == "running"
         mine = row(panel, sandbox_id)
         assert mine.locator(".jp-SandboxPanel-owner").inner_text() == "demo.ipynb"
+        # CPU and memory now, as the kernel asks its sandbox (memory: of the shape's 1 GiB).
+        mine.locator(".jp-SandboxPanel-usage", has_text=re.compile(r"CPU \d+% · memory \d+ of 1024 MiB")).wait_for()
         status = page.locator(".jp-SandboxStatus")
         status.locator("text=running").wait_for()
         screenshot(page, "panel.png", docs=True)
