@@ -317,6 +317,17 @@ def typed(rules: Iterable[str]) -> list[str]:
     return normalized
 
 
+def is_one_destination(target: str) -> bool:
+    """Whether `target` (host:port, as a refusal names it) is one destination as a rule: a
+    host or an address, never a wildcard or a network. A refusal's target comes from what
+    the sandbox asked to reach, so only such a one may become a rule a user adds in one click."""
+    try:
+        rule = parse(target)
+    except EgressRuleError:
+        return False
+    return rule.kind in ("host", "ip") and str(rule) == target.lower()
+
+
 class NotARuleError(EgressRuleError):
     """Single words typed as rules (prose, most likely): one line naming them all."""
 

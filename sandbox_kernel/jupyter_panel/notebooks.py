@@ -98,11 +98,13 @@ class Notebooks:
         directory = directory.strip("/")
         if directory and not await self._is_directory(directory):
             raise PanelError(f"no folder {directory!r} on this server", 404)
-        # A name or an id as a file name: only the characters a sandbox name may have.
-        path = await self._free_path(directory, "sandbox-" + re.sub(r"[^a-z0-9-]", "-", label.lower())[:63])
+        # A name or an id in a file name and a cell: only the characters a sandbox name may have.
+        label = re.sub(r"[^a-z0-9-]", "-", label.lower())[:63]
+        shown_id = re.sub(r"[^A-Za-z0-9_-]", "", sandbox_id)
+        path = await self._free_path(directory, f"sandbox-{label}")
         notebook = nbformat.v4.new_notebook(
             cells=[nbformat.v4.new_markdown_cell(
-                f"This notebook's kernel drives sandbox `{label}` (`{sandbox_id}`), opened from the "
+                f"This notebook's kernel drives sandbox `{label}` (`{shown_id}`), opened from the "
                 "Sandboxes panel: its variables and files are the sandbox's."),
                 nbformat.v4.new_code_cell("")],
             metadata={"kernelspec": {"name": kernel_name, "display_name": spec.display_name,

@@ -198,12 +198,18 @@ class Sandboxes:
             return self._egress_json(await client.set_egress(view.id, [egress_rules.DENY_ALL]))
 
     async def allow(self, ref: str, target: str) -> dict[str, Any]:
-        """Allow one refused destination (host:port as the refusal names it), as `%egress allow` does."""
+        """Allow one refused destination (host:port as the refusal names it), as `%egress
+        allow` does. Only a destination the log refused, and only one destination: the
+        target came from the sandbox (the rules editor is there for anything else)."""
+        if not egress_rules.is_one_destination(target):
+            raise PanelError(f"{target!r} is not one destination (host:port): use the rules editor")
         rule = checked([target])
         async with self.client() as client:
             view = await self.view(client, ref)
-            current = (await client.get_egress(view.id)).egress or []
-            rules, narrowed = egress_rules.allowing(current, rule)
+            egress = await client.get_egress(view.id)
+            if target.lower() not in {f"{d.host}:{d.port}".lower() for d in egress.denied or []}:
+                raise PanelError(f"{target} is not among the latest refusals of {view.id}", 409)
+            rules, narrowed = egress_rules.allowing(egress.egress or [], rule)
             answer = self._egress_json(await client.set_egress(view.id, rules))
         if narrowed:
             answer["note"] = (f"allowed {rule[0]}; this was: all public destinations, so every other "

@@ -542,7 +542,7 @@ class SandboxMagics:
         # The names come from the sandbox (what it asked to reach): only a host or an address
         # that is a rule as it stands goes into a line the user may copy (the engine's proxy
         # already answers a CIDR or wildcard target with 400, unrecorded: this does not rely on it).
-        rules = list(dict.fromkeys(preset_of(target) or target for target in targets if is_one_rule(target)))
+        rules = list(dict.fromkeys(preset_of(target) or target for target in targets if egress_rules.is_one_destination(target)))
         if not rules:
             return
         self.out.text(f"sandbox-kernel: %egress allow {' '.join(rules)} permits "
@@ -565,15 +565,6 @@ def preset_of(target: str) -> str | None:
     """The preset whose rules allow `target` (host:port as refused), so the hint names the
     whole index rather than the one host of it that this cell happened to try first."""
     return next((name for name, rules in egress_rules.presets().items() if target.lower() in rules), None)
-
-
-def is_one_rule(target: str) -> bool:
-    """Whether `target` (host:port) is one destination as a rule: a host or an address."""
-    try:
-        rule = egress_rules.parse(target)
-    except egress_rules.EgressRuleError:
-        return False
-    return rule.kind in ("host", "ip") and str(rule) == target.lower()
 
 
 def describe_rules(rules: list[str]) -> str:

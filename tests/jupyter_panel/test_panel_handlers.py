@@ -116,7 +116,10 @@ BAD_INPUT = [
     ("PUT", "egress", b'{"rules": ["10.0.0.0/33"]}', 400, "invalid egress rule '10.0.0.0/33'"),
     ("PUT", "egress", b'{"rules": ["intranet"]}', 400, "'intranet' is not a rule: give a full host name"),
     ("POST", "egress/allow", b'{"target": ""}', 400, "target must be the refused host:port"),
-    ("POST", "egress/allow", b'{"target": "*.example.com:99999"}', 400, "invalid egress rule"),
+    # Allow takes one destination the log refused, nothing else (the target came from the sandbox).
+    ("POST", "egress/allow", b'{"target": "*.example.com:443"}', 400, "'*.example.com:443' is not one destination"),
+    ("POST", "egress/allow", b'{"target": "10.0.0.0/8"}', 400, "'10.0.0.0/8' is not one destination"),
+    ("POST", "egress/allow", b'{"target": "example.com:443"}', 409, "example.com:443 is not among the latest refusals"),
     ("POST", "open", b"{}", 400, "kernel_name (a sandbox kernel's name) and directory must be strings"),
     ("POST", "open", b'{"kernel_name": "no-such-kernel"}', 404, "no kernel 'no-such-kernel' is installed"),
     ("POST", "open", b'{"kernel_name": "python3"}', 400, "the kernel 'python3' is not a sandbox kernel"),
