@@ -155,8 +155,17 @@ async def _destroy(engine: EngineEndpoint, sandbox_id: str) -> None:
         await client.delete_sandbox(sandbox_id)
 
 
+@pytest.fixture
+def opened_notebooks(jupyterlab: Lab) -> Iterator[None]:
+    """The notebooks "open in a new notebook" writes go with the test (lab_page_that_ran
+    ends their sessions)."""
+    yield
+    for notebook in jupyterlab.root.glob("sandbox-*.ipynb"):
+        notebook.unlink()
+
+
 def test_a_fork_from_the_panel_opens_as_a_second_live_notebook_and_is_destroyed(
-        jupyterlab: Lab, kernelspec: str, engine: EngineEndpoint) -> None:
+        jupyterlab: Lab, kernelspec: str, engine: EngineEndpoint, opened_notebooks: None) -> None:
     with lab_page_that_ran(jupyterlab, kernelspec, "x = 41\nprint('ready', x)") as page:
         output_with(page, "ready 41")
         panel = open_panel(page)
