@@ -144,8 +144,14 @@ def test_pause_resume_keep_from_the_panel_and_the_status_bar_follows(
         row(panel, sandbox_id).locator("[data-action='keep']").click()
         row(panel, sandbox_id).locator(".jp-SandboxPanel-owner[data-kind='kept']").wait_for()
         assert ownership.is_kept(sandbox_id)
+
+        # A change made by a magic shows by itself (the panel and the status bar poll).
+        run_cell(page, "%sandbox pause")
+        wait_for_api(engine, sandbox_id, "paused", page)
+        row(panel, sandbox_id, status="paused").wait_for()
+        page.locator(".jp-SandboxStatus[data-status='paused']").wait_for()
     # Kept: the notebook's shutdown left it; the test destroys it.
-    assert api_view(engine, sandbox_id).status.value == "running"
+    assert api_view(engine, sandbox_id).status.value == "paused"
     ownership.forget(sandbox_id)
     in_worker(lambda: asyncio.run(_destroy(engine, sandbox_id)))
 
