@@ -3,7 +3,7 @@
 JupyterLab and Chromium as in tests/test_widgets_browser.py (tests/browser_helpers.py); the
 panel's server extension is the one `pip install` enabled. Every action is clicked in the
 page, and its effect checked through the sandbox API (the engine), not through the panel.
-Screenshots go to test-artifacts/ and, for the docs, to docs/.
+Screenshots go to test-artifacts/ (docs/panel*.png are copies).
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ import asyncio
 import concurrent.futures
 import http.server
 import re
-import shutil
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -28,7 +26,6 @@ from sandbox_kernel.sandbox import ownership
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
 T = TypeVar("T")
 
 
@@ -100,11 +97,10 @@ def output_with(page: Any, text: str) -> None:
     page.locator(".jp-OutputArea-output:visible", has_text=text).last.wait_for()
 
 
-def screenshot(page: Any, name: str, docs: bool = False) -> None:
+def screenshot(page: Any, name: str) -> None:
+    """Into test-artifacts/; docs/ has copies of these (panel.png and the others)."""
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / name))
-    if docs:
-        page.screenshot(path=str(DOCS / name))
 
 
 def test_pause_resume_keep_from_the_panel_and_the_status_bar_follows(
@@ -120,13 +116,13 @@ def test_pause_resume_keep_from_the_panel_and_the_status_bar_follows(
         mine.locator(".jp-SandboxPanel-usage", has_text=re.compile(r"CPU \d+% · memory \d+ of 1024 MiB")).wait_for()
         status = page.locator(".jp-SandboxStatus")
         status.locator("text=running").wait_for()
-        screenshot(page, "panel.png", docs=True)
+        screenshot(page, "panel.png")
 
         mine.locator("[data-action='pause']").click()
         wait_for_api(engine, sandbox_id, "paused", page)
         row(panel, sandbox_id, status="paused").wait_for()
         page.locator(".jp-SandboxStatus[data-status='paused']").wait_for()
-        screenshot(page, "panel-statusbar-paused.png", docs=True)
+        screenshot(page, "panel-statusbar-paused.png")
 
         # The next cell resumes the sandbox by itself; the status bar follows.
         run_cell(page, "print('again', x + 1)")
@@ -198,7 +194,7 @@ def test_a_fork_from_the_panel_opens_as_a_second_live_notebook_and_is_destroyed(
         # Kept (no notebook's shutdown destroys it), its cells run from the new notebook.
         row(panel, fork_id).locator(".jp-SandboxPanel-owner[data-kind='kept']"
                                     "[title*='cells run from sandbox-panel-fork.ipynb']").wait_for()
-        screenshot(page, "panel-fork.png", docs=True)
+        screenshot(page, "panel-fork.png")
 
         row(panel, fork_id).locator("[data-action='destroy']").click()
         page.locator(".jp-Dialog", has_text="Destroy panel-fork?").locator(".jp-mod-accept").click()
@@ -246,7 +242,7 @@ def test_a_refusal_allowed_from_the_panel_lets_the_next_request_through(
         network = panel.locator(".jp-SandboxPanel-network")
         refusal = network.locator(f".jp-SandboxPanel-refusal[data-target='{HOST_ALIAS}:{host_server}']").first
         refusal.wait_for()
-        screenshot(page, "panel-network.png", docs=True)
+        screenshot(page, "panel-network.png")
         refusal.locator("[data-action='allow']").click()
         network.locator(f".jp-SandboxPanel-rules[data-rules='{HOST_ALIAS}:{host_server}']").wait_for()
 
