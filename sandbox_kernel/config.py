@@ -272,15 +272,25 @@ class _Options:
         return size
 
 
-async def open_client(settings: Settings, state: Path | None = None) -> SandboxClient:
-    """A client for the configured provider; for the local engine, start it if needed."""
+class EngineNotRunning(Exception):
+    """open_client(start_engine=False) found no local engine serving the state dir."""
+
+
+async def open_client(settings: Settings, state: Path | None = None, start_engine: bool = True) -> SandboxClient:
+    """A client for the configured provider; for the local engine, start it if needed (or,
+    with start_engine false, raise EngineNotRunning: a viewer need not keep one alive)."""
     if settings.provider == "createos":
         return SandboxClient(settings.base_url, settings.api_key)
     from sandbox_kernel.api.kept_connections import KeptConnections
-    from sandbox_kernel.local.service import EngineRestarting, ensure_engine
+    from sandbox_kernel.local.service import EngineRestarting, ensure_engine, read_endpoint
 
     state = state or state_dir()
-    endpoint = await asyncio.to_thread(ensure_engine, state, settings.engine_idle_timeout)
+    if start_engine:
+        endpoint = await asyncio.to_thread(ensure_engine, state, settings.engine_idle_timeout)
+    elif (running := await asyncio.to_thread(read_endpoint, state)) is None:
+        raise EngineNotRunning(f"no local engine is running for {state}")
+    else:
+        endpoint = running
     if settings.engine_transport == "unix" and endpoint.socket:
         # The socket's path stays when the engine is restarted: a request that finds no
         # engine there starts one (which takes the sandboxes over) and goes again. Both

@@ -305,6 +305,54 @@ def expand_presets(rules: Iterable[str]) -> list[str]:
     return out
 
 
+def typed(rules: Iterable[str]) -> list[str]:
+    """Rules a person typed (``%egress``, the Sandboxes panel): presets expanded, each
+    validated and normalized, with a one-line EgressRuleError naming a bad one."""
+    normalized = validate(expand_presets(rules))
+    # CreateOS accepts a bare word as a host rule, but typed by a person it is almost always
+    # prose (`%egress allow not a rule`): a single-label name must come with a port.
+    words = [rule for rule in normalized if _is_bare_word(rule)]
+    if words:
+        raise NotARuleError(words)
+    return normalized
+
+
+def is_one_destination(target: str) -> bool:
+    """Whether `target` (host:port, as a refusal names it) is one destination as a rule: a
+    host or an address, never a wildcard or a network. A refusal's target comes from what
+    the sandbox asked to reach, so only such a one may become a rule a user adds in one click."""
+    try:
+        rule = parse(target)
+    except EgressRuleError:
+        return False
+    return rule.kind in ("host", "ip") and str(rule) == target.lower()
+
+
+class NotARuleError(EgressRuleError):
+    """Single words typed as rules (prose, most likely): one line naming them all."""
+
+    def __init__(self, words: list[str]) -> None:
+        self.rule, self.reason = words, "a single word is not a host rule"
+        ValueError.__init__(self, f"{' '.join(repr(w) for w in words)} is not a rule: give a full host "
+                                  "name (example.com), host:port, an IP address or a CIDR")
+
+
+def _is_bare_word(rule: str) -> bool:
+    parsed = parse(rule)
+    return (parsed.kind == "host" and parsed.port is None and "." not in str(parsed.host)
+            and parsed.host != "localhost")
+
+
+def allowing(current: Sequence[str] | None, new: Sequence[str]) -> tuple[list[str], bool]:
+    """The rules after allowing ``new`` (typed() already), and whether that narrowed what was
+    allowed: from block-all, allowing these means only these; from allow-all (no rules) the
+    same, which refuses every other public destination from then on."""
+    current = list(current or [])
+    if current and current != [DENY_ALL]:  # the server's list is normalized: [] is allow-all
+        return add(current, new), False
+    return list(new), not current
+
+
 def _many(rules: str | Iterable[str]) -> list[str]:
     return [normalize(r) for r in ([rules] if isinstance(rules, str) else rules)]
 

@@ -59,22 +59,16 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 async def _list(settings: Settings) -> int:
-    from sandbox_kernel.api import names
-    from sandbox_kernel.sandbox import ownership, pool
-    from sandbox_kernel.sandbox.cost import Meter
-    from sandbox_kernel.kernel.magics.tables import describe_age
+    from sandbox_kernel.sandbox.listing import describe_age, listing
 
     async with await open_client(settings) as client:
         sandboxes = await client.list_sandboxes()
     if not sandboxes:
         print(f"no sandboxes on {settings.description}")
-    pooled = pool.all_members()
-    meter = Meter()
-    for sb in sandboxes:
-        meter.observe(sb)
-        owner = "warm pool" if sb.id in pooled else ownership.describe_owner(sb.id, sb.name)
-        print(f"{sb.id}  {names.display_name(sb):<24} {sb.status.value:<10} {sb.shape or '-':<14} "
-              f"{describe_age(sb.created_at):<10} ${meter.cost(sb.id).total:<8.4f} owner: {owner}")
+    for row in listing(sandboxes):
+        sb = row.view
+        print(f"{sb.id}  {row.name:<24} {sb.status.value:<10} {sb.shape or '-':<14} "
+              f"{describe_age(sb.created_at):<10} ${row.cost.total:<8.4f} owner: {row.owner_text}")
     if settings.provider == "local":  # each Python environment has an engine of its own (service.py)
         from sandbox_kernel.local.service import other_engines
 

@@ -41,6 +41,14 @@ class PriceBook:
                    if env.get(f"SANDBOX_KERNEL_PRICE_{name.upper()}")}
         return replace(book, **changes, dated="overridden") if changes else book
 
+    def hourly(self, view: SandboxView) -> float:
+        """What the sandbox costs per hour in its present state (USD): vCPU only while it
+        runs, memory and disk while it exists; nothing once it is gone."""
+        if view.status.is_gone:
+            return 0.0
+        rate = view.mem_mib / 1024 * self.memory_gib_hour + view.disk_mib * MIB / GB * self.storage_gb_hour
+        return rate if view.status.is_pause_like else rate + float(view.vcpu) * self.vcpu_hour
+
 
 @dataclass(frozen=True)
 class Cost:

@@ -283,21 +283,65 @@ def tidy(live: dict[str, str | None]) -> None:
                 (folder / f"{sandbox_id}.json").unlink(missing_ok=True)
         for name in stale:
             (folder / f"{CREATING}{name}.json").unlink(missing_ok=True)
+    for driving in _driving_folder().iterdir():
+        if not (driving.name.isdigit() and kernel_alive(int(driving.name))):
+            driving.unlink(missing_ok=True)
 
 
-def describe_owner(sandbox_id: str, name: str | None) -> str:
-    """Who is responsible for a sandbox, for `ls`: a kernel, the user (kept), or nobody here."""
+@dataclass(frozen=True)
+class Owner:
+    """Who is responsible for a sandbox: kind is kernel (pid: a live kernel), kept (the
+    user), restarting (a kernel's successor is awaited), orphaned (its kernel is gone: gc
+    destroys it) or none (nobody on this machine)."""
+
+    kind: str
+    pid: int | None = None
+
+    def __str__(self) -> str:
+        return {"kernel": f"kernel {self.pid}", "kept": "kept", "restarting": "restarting kernel",
+                "orphaned": "gone (gc)"}.get(self.kind, "-")
+
+
+def owner_of(sandbox_id: str, name: str | None) -> Owner:
     with _locked() as folder:
         record = _read(folder, sandbox_id)
     if record is None:
         owner, _ = _creates().get(name or "", (None, 0.0))
-        return f"kernel {owner}" if kernel_alive(owner) else ("gone (gc)" if owner else "-")
+        return Owner("kernel", owner) if kernel_alive(owner) else Owner("orphaned" if owner else "none")
     if record.kept:
-        return "kept"
+        return Owner("kept")
     if record.owner is None:  # only driven (attached to) from here: nobody's to clean up
-        return "-"
+        return Owner("none")
     if kernel_alive(record.owner):
-        return f"kernel {record.owner}"
+        return Owner("kernel", record.owner)
     if record.handoff_until >= time.time():
-        return "restarting kernel"
-    return "gone (gc)"
+        return Owner("restarting")
+    return Owner("orphaned")
+
+
+def describe_owner(sandbox_id: str, name: str | None) -> str:
+    """Who is responsible for a sandbox, for `ls`: a kernel, the user (kept), or nobody here."""
+    return str(owner_of(sandbox_id, name))
+
+
+# -- which sandbox each kernel drives now (the Sandboxes panel's "this notebook") -----------
+
+def _driving_folder() -> Path:
+    path = state_dir() / "driving"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+def drive(sandbox_id: str) -> None:
+    """This kernel's cells run in `sandbox_id` from now on (one file per kernel pid)."""
+    write_private(_driving_folder() / str(os.getpid()), sandbox_id)
+
+
+def driven_by(pid: int) -> str | None:
+    """The sandbox the live kernel `pid` drives, if it recorded one."""
+    if not kernel_alive(pid):
+        return None
+    try:
+        return (_driving_folder() / str(pid)).read_text().strip() or None
+    except OSError:
+        return None

@@ -191,6 +191,7 @@ class SandboxSession:
             raise
         ownership.created(name, created.id)
         self.sandbox_id = created.id
+        ownership.drive(created.id)
         await host_pip_settings.upload(client, created.id, host_pip)
         self._track(await client.get_sandbox(created.id))
         await self._start_runner(new_sandbox=True)
@@ -207,6 +208,7 @@ class SandboxSession:
         if prepared is None:
             return False
         self.sandbox_id, self.runner_info = prepared.sandbox_id, prepared.runner_info
+        ownership.drive(prepared.sandbox_id)
         # Together: one round trip (30 ms and more to a provider in the cloud), not two.
         view, _ = await asyncio.gather(self._client().get_sandbox(prepared.sandbox_id), self.link.connect())
         self._track(view)
@@ -316,6 +318,7 @@ class SandboxSession:
         previous = (self.sandbox_id, self.runner_info)
         self.sandbox_id = view.id
         ownership.use(view.id)
+        ownership.drive(view.id)
         try:
             if view.status != SandboxStatus.RUNNING:
                 await self._wake(progress)

@@ -76,13 +76,9 @@ class EgressMagics(MagicFamily):
 
     async def allow(self, args: argparse.Namespace) -> None:
         current = (await self.session.get_egress()).egress or []
-        if current and current != [BLOCK_ALL]:  # the server's list is normalized: [] is allow-all
-            await self._set_rules(egress_rules.add(current, checked(args.rules)))
-        elif current:  # from block-all, allowing these means: only these
-            await self._set_rules(checked(args.rules))
-        else:  # from all public destinations, the same, which narrows: say so
-            await self._set_rules(checked(args.rules), note=" (was: all public destinations; "
-                                  "every other destination is now refused)")
+        rules, narrowed = egress_rules.allowing(current, checked(args.rules))
+        await self._set_rules(rules, note=" (was: all public destinations; every other destination "
+                              "is now refused)" if narrowed else "")
 
     async def deny(self, args: argparse.Namespace) -> None:
         gone = checked(args.rules)
@@ -162,7 +158,7 @@ def show_refusals(out: CellOutput, view: EgressView, before: int) -> None:
     # The names come from the sandbox (what it asked to reach): only a host or an address
     # that is a rule as it stands goes into a line the user may copy (the engine's proxy
     # already answers a CIDR or wildcard target with 400, unrecorded: this does not rely on it).
-    rules = list(dict.fromkeys(preset_of(target) or target for target in targets if is_one_rule(target)))
+    rules = list(dict.fromkeys(preset_of(target) or target for target in targets if egress_rules.is_one_destination(target)))
     if not rules:
         return
     out.text(f"sandbox-kernel: %egress allow {' '.join(rules)} permits "
@@ -172,37 +168,15 @@ def show_refusals(out: CellOutput, view: EgressView, before: int) -> None:
 def checked(rules: list[str]) -> list[str]:
     """Validated before any request, with a one-line reason naming the bad rule."""
     try:
-        normalized = egress_rules.validate(egress_rules.expand_presets(rules))
+        return egress_rules.typed(rules)
     except egress_rules.EgressRuleError as exc:
         raise MagicError(f"%egress: {exc}") from None
-    # CreateOS accepts a bare word as a host rule, but typed in a magic it is almost always
-    # prose (`%egress allow not a rule`): a single-label name must come with a port.
-    words = [rule for rule in normalized if is_bare_word(rule)]
-    if words:
-        raise MagicError(f"%egress: {' '.join(repr(w) for w in words)} is not a rule: give a full host "
-                         "name (example.com), host:port, an IP address or a CIDR")
-    return normalized
 
 
 def preset_of(target: str) -> str | None:
     """The preset whose rules allow `target` (host:port as refused), so the hint names the
     whole index rather than the one host of it that this cell happened to try first."""
     return next((name for name, rules in egress_rules.presets().items() if target.lower() in rules), None)
-
-
-def is_one_rule(target: str) -> bool:
-    """Whether `target` (host:port) is one destination as a rule: a host or an address."""
-    try:
-        rule = egress_rules.parse(target)
-    except egress_rules.EgressRuleError:
-        return False
-    return rule.kind in ("host", "ip") and str(rule) == target.lower()
-
-
-def is_bare_word(rule: str) -> bool:
-    parsed = egress_rules.parse(rule)
-    return (parsed.kind == "host" and parsed.port is None and "." not in str(parsed.host)
-            and parsed.host != "localhost")
 
 
 def describe_rules(rules: list[str]) -> str:

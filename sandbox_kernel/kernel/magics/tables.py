@@ -5,27 +5,12 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
-from datetime import datetime, timezone
 
-from sandbox_kernel.api.models import parse_rfc3339
 from sandbox_kernel.kernel.output import html_without_math
 from sandbox_kernel.sandbox.cost import Cost
+from sandbox_kernel.sandbox.listing import describe_age, describe_seconds
 
-
-def describe_age(created_at: str | None, now: datetime | None = None) -> str:
-    created = parse_rfc3339(created_at)
-    if created is None:
-        return "?"
-    return describe_seconds(((now or datetime.now(timezone.utc)) - created).total_seconds())
-
-
-def describe_seconds(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds < 120:
-        return f"{seconds} s"
-    if seconds < 7200:
-        return f"{seconds // 60} min"
-    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+__all__ = ["describe_age", "describe_cost", "describe_seconds", "table"]
 
 
 def describe_cost(cost: Cost) -> str:
