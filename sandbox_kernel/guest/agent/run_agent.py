@@ -9,21 +9,21 @@ code, its protocol included, lives in agent.py. Stdlib only.
 
 import ctypes
 
-# Before anything else, the imports included: an agent starts dumpable (exec makes it so)
-# while it already holds its listening socket, and a dumpable process is open to the
-# sandbox's code (see agent.set_dumpable). A fork's agent starts while that code runs.
-if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
-    raise SystemExit("agent: prctl(PR_SET_DUMPABLE) failed")
+if __name__ == "__main__":
+    # Before anything else, the imports included: an agent starts dumpable (exec makes it
+    # so) while it already holds its listening socket, and a dumpable process is open to the
+    # sandbox's code (see agent.set_dumpable). A fork's agent starts while that code runs.
+    if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise SystemExit("agent: prctl(PR_SET_DUMPABLE) failed")
 
-import os  # noqa: E402 - after the line above
-import sys  # noqa: E402
+    import importlib
+    import os
+    import sys
 
-# The agent is a module of the guest package mounted in the sandbox (<mount>/<package>/agent/):
-# the mount point goes on sys.path (-I leaves even the script's directory out).
-_package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(_package_dir))
-
-import importlib  # noqa: E402
-
-agent = importlib.import_module(os.path.basename(_package_dir) + ".agent.agent")
-sys.exit(agent.main(sys.argv))
+    # The agent is a module of the guest package mounted in the sandbox
+    # (<mount>/<package>/agent/): the mount point goes on sys.path (-I leaves even the
+    # script's directory out).
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(package_dir))
+    agent = importlib.import_module(os.path.basename(package_dir) + ".agent.agent")
+    sys.exit(agent.main(sys.argv))
