@@ -82,7 +82,7 @@ def pause_line() -> str:
 def limits_line(shape_id: str) -> str:
     """Which of the shape's limits a local sandbox gets here (probed as the engine does)."""
     from sandbox_kernel.local import disk
-    from sandbox_kernel.local.engine import SHAPES
+    from sandbox_kernel.api.shapes import SHAPES
     from sandbox_kernel.local.freezer import CgroupV2Freezer, FreezerError, select as select_freezer
     from sandbox_kernel.local.limits import Limits, LimitsError, select as select_limiter
 

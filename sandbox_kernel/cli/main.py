@@ -41,7 +41,7 @@ def cmd_install(args: argparse.Namespace) -> int:
     Settings.from_env({"CREATEOS_SANDBOX_API_KEY": "checked-later"}, kernel_args=options,
                       argument_name=lambda name: "--" + name.replace("_", "-"))
     if args.shape and args.provider != "createos":  # CreateOS may know shapes we do not
-        from sandbox_kernel.local.engine import SHAPES
+        from sandbox_kernel.api.shapes import SHAPES
 
         if args.shape not in (known := [shape.id for shape in SHAPES]):
             raise ConfigError(f"--shape: no shape {args.shape!r} (known: {', '.join(known)}; "

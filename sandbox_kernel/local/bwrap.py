@@ -26,6 +26,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandbox_kernel.api.local_engine import HOST_ETC
 from sandbox_kernel.guest import bundle as guest_bundle, protocol
 from sandbox_kernel.local.limits import RLIMITS_ENV
 
@@ -39,12 +40,9 @@ AGENT_SOCKET = AGENT_DIR + "/agent.sock"
 AGENT_MOUNT = "/opt/sandbox-kernel"  # the agent's files (guest_bundle.agent_files()), read-only
 AGENT_SCRIPT = guest_bundle.agent_path(AGENT_MOUNT)
 FORKABLE_DIR = "/run/sandbox-forkable"  # processes that follow a fork register here
-EGRESS_PORT = 3128
-STAGE = "/tmp"  # where an engine run as root puts host paths for bwrap (Handover)  # on the sandbox's loopback: the agent hands connections to the engine's proxy
+EGRESS_PORT = 3128  # on the sandbox's loopback: the agent hands connections to the engine's proxy
+STAGE = "/tmp"  # where an engine run as root puts host paths for bwrap (Handover)
 
-# Host /etc entries a Python sandbox reasonably needs; nothing with secrets in it.
-HOST_ETC = ("ssl", "ca-certificates", "alternatives", "ld.so.cache", "localtime",
-            "mime.types", "fonts", "os-release", "debian_version")
 # Top-level host directories that are usually symlinks into /usr on merged-/usr systems.
 USR_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from ipaddress import IPv4Address, IPv6Address
 
 from sandbox_kernel.api.egress_rules import Decision, decide, screen_name
+from sandbox_kernel.api.local_engine import HOST_ALIAS
 from sandbox_kernel.local.agent_client import AgentClient, AgentUnavailable
 from sandbox_kernel.local.egress_proxy import EgressProxy, _default_resolve as resolve_by_dns
 
@@ -28,10 +29,6 @@ log = logging.getLogger("sandbox_kernel.egress")
 RECONNECT_DELAY = 0.5
 MAX_STREAMS = 128  # open egress connections per sandbox (each holds one or two engine descriptors)
 
-# The name by which a sandbox asks the proxy for the host's loopback (127.0.0.1 inside a
-# sandbox is its own loopback, as on CreateOS). Like any non-public destination it needs
-# a rule: the name itself, or 127.0.0.1 with the port.
-HOST_ALIAS = "host.sandbox.internal"
 HOST_LOOPBACK = [IPv4Address("127.0.0.1")]
 
 

@@ -52,15 +52,9 @@ import json
 from collections.abc import AsyncIterator
 
 from sandbox_kernel.local.agent_client import AgentError, AgentUnavailable
-from sandbox_kernel.local.engine import (
-    HEARTBEAT_SECONDS,
-    Conflict,
-    Engine,
-    EngineError,
-    InvalidRequest,
-    LocalSandbox,
-    NotFound,
-)
+from sandbox_kernel.local.engine import HEARTBEAT_SECONDS, Engine
+from sandbox_kernel.local.engine_errors import Conflict, EngineError, InvalidRequest, NotFound
+from sandbox_kernel.local.local_sandbox import LocalSandbox
 
 HEARTBEAT = b'{"type":"heartbeat"}\n'
 # How the agent's frames begin (guest/agent.py writes compact JSON, "type" first): told by

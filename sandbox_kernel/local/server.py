@@ -70,7 +70,10 @@ from sandbox_kernel.local import processes
 from sandbox_kernel.local.agent_client import AgentUnavailable
 from sandbox_kernel.local.catalog import CATALOG
 from sandbox_kernel.local.egress_destinations import DestinationLog
-from sandbox_kernel.local.engine import HEARTBEAT_SECONDS, SHAPES, Engine, EngineError, LocalSandbox, rfc3339
+from sandbox_kernel.api.shapes import SHAPES
+from sandbox_kernel.local.engine import HEARTBEAT_SECONDS, Engine
+from sandbox_kernel.local.engine_errors import EngineError
+from sandbox_kernel.local.local_sandbox import LocalSandbox, rfc3339
 from sandbox_kernel.local.unsupported import add_unsupported_routes
 
 log = logging.getLogger("sandbox_kernel.server")

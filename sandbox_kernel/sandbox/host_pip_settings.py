@@ -33,9 +33,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
+from sandbox_kernel.api.local_engine import HOST_ALIAS, HOST_ETC
+from sandbox_kernel.config import Settings
+
 if TYPE_CHECKING:
     from sandbox_kernel.api import SandboxClient
-    from sandbox_kernel.config import Settings
 
 log = logging.getLogger("sandbox_kernel.host_pip_settings")
 
@@ -64,9 +66,6 @@ def for_sandbox(settings: Settings) -> HostPipSettings:
     """This host's settings for a sandbox of `settings`' provider, each withheld one logged."""
     alias, shared = None, ()
     if settings.provider == "local":
-        from sandbox_kernel.local.bwrap import HOST_ETC
-        from sandbox_kernel.local.egress_gate import HOST_ALIAS
-
         # What the local engine's sandboxes see of the host, read-only at the same path.
         alias, shared = HOST_ALIAS, ("/usr", *(f"/etc/{name}" for name in HOST_ETC))
     found = collect(os.environ, pip_config_files(os.environ), alias, shared)

@@ -102,7 +102,7 @@ def kernel_arguments(notebook_metadata: Mapping[str, Any], allowed: Collection[s
     except ConfigError as exc:
         raise SealError(str(exc)) from None
     if "shape" in options and settings.provider == "local":  # CreateOS may know shapes we do not
-        from sandbox_kernel.local.engine import SHAPES
+        from sandbox_kernel.api.shapes import SHAPES
 
         if settings.shape not in (known := [shape.id for shape in SHAPES]):
             raise SealError(f"{_where('shape')}: the local engine has no shape {settings.shape!r} "

@@ -20,7 +20,7 @@ import pytest
 
 from browser_helpers import ARTIFACTS, Lab, lab_page_that_ran
 from sandbox_kernel.api import NotFoundError, SandboxClient, SandboxView
-from sandbox_kernel.local.egress_gate import HOST_ALIAS
+from sandbox_kernel.api.local_engine import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.sandbox import ownership
 

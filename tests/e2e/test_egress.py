@@ -28,7 +28,7 @@ from sandbox_kernel.api import (
     SandboxStatus,
 )
 from sandbox_kernel.api import egress_rules
-from sandbox_kernel.local.egress_gate import HOST_ALIAS
+from sandbox_kernel.api.local_engine import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ from kernel_helpers import execute, running_kernel
 from package_index import PACKAGE, serving_index
 from sandbox_kernel.api import SandboxClient, names
 from sandbox_kernel.kernel.egress_learning import MAX_DESTINATIONS
-from sandbox_kernel.local.egress_gate import HOST_ALIAS
+from sandbox_kernel.api.local_engine import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.sandbox.sealed import kernel_arguments
 

@@ -12,7 +12,7 @@ import pytest
 
 from kernel_helpers import TIMEOUT, execute, running_kernel
 from package_index import PACKAGE, serving_index
-from sandbox_kernel.local.egress_gate import HOST_ALIAS
+from sandbox_kernel.api.local_engine import HOST_ALIAS
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import pytest
 
 from kernel_helpers import execute, running_kernel
 from package_index import PACKAGE, serving_index
-from sandbox_kernel.local.egress_gate import HOST_ALIAS
+from sandbox_kernel.api.local_engine import HOST_ALIAS
 from sandbox_kernel.sandbox.host_pip_settings import SANDBOX_CA_DIR
 
 # The loopback index is reached by the local engine's host alias: nothing to check on the

@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from sandbox_kernel.local.egress_gate import HOST_ALIAS
+from sandbox_kernel.api.local_engine import HOST_ALIAS
 
 pytestmark = [pytest.mark.slow, pytest.mark.one_path]
 

@@ -41,7 +41,7 @@ from createos import (
 )
 
 from engine_helpers import stop_process
-from sandbox_kernel.local.egress_gate import HOST_ALIAS
+from sandbox_kernel.api.local_engine import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint, read_endpoint
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from createos import Client, CreateSandboxRequest, RunCommandRequest, SandboxInstance, WaitOptions
 
-from sandbox_kernel.local.egress_gate import HOST_ALIAS
+from sandbox_kernel.api.local_engine import HOST_ALIAS
 
 pytestmark = pytest.mark.slow
 SHAPE = "s-1vcpu-1gb"

@@ -16,7 +16,7 @@ import pytest
 from attack_helpers import ONCE
 from engine_helpers import destroy_every_sandbox, start_engine, stop_process
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
-from sandbox_kernel.local.egress_gate import HOST_ALIAS
+from sandbox_kernel.api.local_engine import HOST_ALIAS
 from sandbox_kernel.local.egress_proxy import BLOCKED_REASON
 
 pytestmark = [pytest.mark.slow, ONCE]

@@ -20,7 +20,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from attack_helpers import ONCE, attempt
 from kernel_helpers import running_kernel
 from sandbox_kernel.guest import bundle as guest_bundle
-from sandbox_kernel.local.egress_gate import HOST_ALIAS
+from sandbox_kernel.api.local_engine import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = [pytest.mark.slow, ONCE]
