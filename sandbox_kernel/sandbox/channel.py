@@ -72,6 +72,10 @@ REQUEST_TIMEOUT = 60.0  # seconds a one-shot request (complete, inspect, info) m
 # Relays replaced in a row with no output from any of them: past this, the channel ends
 # (a cell that kills every relay it sees would otherwise keep us starting new ones).
 RELAY_REPLACEMENTS = 3
+# A reader that found the sandbox paused waits for the session to resume it (its next cell
+# does); in case someone else resumes it, it asks the service again after a minute, then
+# ever less often up to five (an idle paused notebook should cost the service next to nothing).
+PAUSED_RECHECK_FIRST, PAUSED_RECHECK_MAX = 60.0, 300.0
 # Statuses with which a provider says it has no managed processes.
 NO_PROCESSES = (404, 405, 501)
 
@@ -185,6 +189,9 @@ class RunnerChannel:
         self._last_words = ""  # the relay's {"error": ...} line, before it exits
         self._reader: asyncio.Task[None] | None = None
         self._acks: set[asyncio.Task[None]] = set()
+        # Set when the session has the sandbox running again: a reader that found it paused
+        # waits for this rather than asking the service every few seconds (sandbox_running).
+        self._running_again = asyncio.Event()
         # The engine's count of egress refusals, from its heartbeats (local/processes.py), which
         # it sends when the count moves: 0 until then. The sandbox can forge frames, so this
         # only says when to ask the engine for the refusals.
@@ -256,9 +263,14 @@ class RunnerChannel:
 
     # -- the output stream -----------------------------------------------------------------
 
+    def sandbox_running(self) -> None:
+        """The session has the sandbox running again: a reader waiting out a pause goes on."""
+        self._running_again.set()
+
     async def _read_forever(self) -> None:
         failures = 0
         replacements = 0
+        paused_recheck = PAUSED_RECHECK_FIRST
         try:
             while True:
                 progress = self._reading.seq
@@ -281,9 +293,17 @@ class RunnerChannel:
                 except ConflictError:
                     # Not running: paused (its next cell resumes it, the stream then goes on),
                     # or destroyed or failed, which ends the runner (the outer handler).
+                    self._running_again.clear()
                     if not await self._sandbox_paused():
                         raise
-                    await asyncio.sleep(RECONNECT_DELAYS[-1])
+                    # Nothing runs in a paused sandbox, and the stream replays from where it
+                    # stopped: wait for the session's word that it runs again, asking the
+                    # service ever less often meanwhile (someone else may resume it).
+                    try:
+                        await asyncio.wait_for(self._running_again.wait(), paused_recheck)
+                        paused_recheck = PAUSED_RECHECK_FIRST
+                    except asyncio.TimeoutError:
+                        paused_recheck = min(paused_recheck * 2, PAUSED_RECHECK_MAX)
                     continue
                 if self._reading.seq > progress:
                     failures = 0

@@ -160,7 +160,10 @@ class RunnerLink:
         await (transport if transport.failure is None else self.by_exec()).send(message)
 
     async def sandbox_resumed(self, sandbox_id: str) -> None:
-        """`sandbox_id` runs again: the relays of ours left in it while it was paused end now."""
+        """`sandbox_id` runs again: the relays of ours left in it while it was paused end now,
+        and the channel's reader, if it waits out that pause, goes on."""
+        if self._channel is not None and self._channel_sandbox == sandbox_id:
+            self._channel.sandbox_running()
         for relay in self._paused_relays.pop(sandbox_id, []):
             await relay.close()
 

@@ -65,7 +65,10 @@ RESTART_HANDOFF_WAIT = 120.0
 
 # Polling a transition (pause, resume, fork): locally it takes milliseconds, on CreateOS
 # it can take minutes; doubling from 20 ms to 2 s serves both with few requests.
-POLL_FIRST, POLL_MAX, TRANSITION_BUDGET = 0.02, 2.0, 900.0
+# A pause or resume on the local engine settles within a millisecond or two, the kernel's
+# wait is most of it: the first look again comes soon, then less and less often (on
+# CreateOS each look is a round trip anyway).
+POLL_FIRST, POLL_MAX, TRANSITION_BUDGET = 0.004, 2.0, 900.0
 
 Progress = Callable[[str], None]
 
@@ -431,19 +434,21 @@ class SandboxSession:
 
     async def resume(self, progress: Progress | None = None) -> SandboxView:
         """`%sandbox resume`: wake this sandbox (one running already is refused)."""
-        view = await self.view()
-        if view.status == SandboxStatus.RUNNING:
-            raise SessionError(f"sandbox {view.id} is running: there is nothing to resume")
-        return await self._wake(progress)
+        return await self._wake(progress, refuse_running=True)
 
-    async def _wake(self, progress: Progress | None = None) -> SandboxView:
+    async def _wake(self, progress: Progress | None = None, refuse_running: bool = False) -> SandboxView:
         """Bring this sandbox to running, whatever transition it is in: CreateOS answers a
         resume 409 until the sandbox is paused (§4.2), and on CreateOS an auto-pause of a
         large VM takes seconds, so a sandbox pausing, resuming or being forked is waited
-        for, and a paused one resumed. One running already is left as it is."""
+        for, and a paused one resumed. One running already is left as it is (or, with
+        refuse_running, refused: `%sandbox resume` of a running sandbox)."""
         client, sandbox_id = self._require()
+        first = True
         async with contextlib.aclosing(self._watch(sandbox_id, progress)) as views:
             async for view in views:
+                if view.status == SandboxStatus.RUNNING and first and refuse_running:
+                    raise SessionError(f"sandbox {view.id} is running: there is nothing to resume")
+                first = False
                 if view.status == SandboxStatus.RUNNING:
                     break
                 if view.status == SandboxStatus.PAUSED:

@@ -3,6 +3,8 @@ channel's output stream (managed processes), or a cell's exec stream (providers 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from fault_proxy import proxied_engine
@@ -31,3 +33,25 @@ def test_dropped_stream_resumes_without_loss_or_duplicates(
         assert result.reply["content"]["status"] == "ok"
         assert result.text() == "".join(f"{i} {'-' * 60}\n" for i in range(400))
         assert proxy.cuts == 3, "the proxy cut the cell's stream three times"
+
+
+def test_a_paused_notebooks_dropped_stream_waits_for_its_next_cell_not_the_service(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paused, the channel's stream dropped (a gateway restart, a laptop waking up): the kernel
+    learns the sandbox is paused, then waits for its next cell rather than asking the service
+    every 8 s for as long as the pause lasts (15 requests a minute per paused notebook, before)."""
+    with proxied_engine(engine, monkeypatch) as proxy, running_kernel(kernelspec) as (_, kc):
+        assert execute(kc, "x = 41").reply["content"]["status"] == "ok"
+        assert execute(kc, "%sandbox pause").reply["content"]["status"] == "ok"
+        proxy.cut_after_bytes, proxy.max_cuts = 0, 1  # the stream's next heartbeat cuts it
+        deadline = time.monotonic() + 60
+        while proxy.cuts == 0:
+            assert time.monotonic() < deadline, "the idle stream was never cut"
+            time.sleep(0.1)
+        cut_at = len(proxy.request_lines)
+        time.sleep(25)  # three of the old 8 s rounds
+        since = [line.decode() for line in proxy.request_lines[cut_at:]]
+        # One attempt to reconnect (refused: paused) and one look at the sandbox's state.
+        assert len(since) <= 2, "\n".join(since)
+        result = execute(kc, "print(x + 1)")
+        assert result.reply["content"]["status"] == "ok" and result.text() == "42\n"
