@@ -8,9 +8,7 @@ own 127.0.0.1 is its own loopback), and only as the rules say.
 from __future__ import annotations
 
 import asyncio
-import http.server
 import shutil
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +17,7 @@ from jupyter_client.manager import KernelManager
 
 from engine_helpers import wait_status
 from fault_proxy import proxied_engine
+from named_servers import named_servers
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel.api import (
     BadRequestError,
@@ -34,29 +33,11 @@ from sandbox_kernel.local.service import EngineEndpoint
 pytestmark = pytest.mark.slow
 
 
-class Answer(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        body = self.server.name.encode()  # type: ignore[attr-defined]
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[int, int]]:
-    started = []
-    for name in ("A", "B"):
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
-        server.name = name  # type: ignore[attr-defined]
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        started.append(server)
-    yield started[0].server_address[1], started[1].server_address[1]
-    for server in started:
-        server.shutdown()
+def servers() -> Iterator[tuple[int, ...]]:
+    with named_servers("A", "B") as ports:
+        yield ports
+
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,8 @@ reaches them only through the engine's egress proxy, by the host alias.
 from __future__ import annotations
 
 import asyncio
-import http.server
 import json
 import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,7 @@ from pathlib import Path
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
+from named_servers import named_servers
 from kernel_helpers import execute, running_kernel
 from package_index import PACKAGE, serving_index
 from sandbox_kernel.api import SandboxClient, names
@@ -31,29 +30,11 @@ pytestmark = pytest.mark.slow
 PIP = f"--no-cache-dir --disable-pip-version-check --trusted-host {HOST_ALIAS} --index-url"
 
 
-class Answer(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        body = self.server.name.encode()  # type: ignore[attr-defined]
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[int, int, int]]:
-    started = []
-    for name in ("A", "B", "C"):
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
-        server.name = name  # type: ignore[attr-defined]
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        started.append(server)
-    yield tuple(server.server_address[1] for server in started)  # type: ignore[misc]
-    for server in started:
-        server.shutdown()
+def servers() -> Iterator[tuple[int, ...]]:
+    with named_servers("A", "B", "C") as ports:
+        yield ports
+
 
 
 FETCH = """

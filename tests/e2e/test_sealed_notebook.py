@@ -4,17 +4,16 @@ says, and a seal that cannot be applied refuses the run with one line, before an
 
 from __future__ import annotations
 
-import http.server
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
 import pytest
 
+from named_servers import named_servers
 from sandbox_kernel.api.local_engine import HOST_ALIAS
 
 pytestmark = [pytest.mark.slow, pytest.mark.one_path]
@@ -31,29 +30,11 @@ def fetch(port):
 """
 
 
-class Answer(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        body = self.server.name.encode()  # type: ignore[attr-defined]
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[int, int]]:
-    started = []
-    for name in ("A", "B"):
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
-        server.name = name  # type: ignore[attr-defined]
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        started.append(server)
-    yield started[0].server_address[1], started[1].server_address[1]
-    for server in started:
-        server.shutdown()
+def servers() -> Iterator[tuple[int, ...]]:
+    with named_servers("A", "B") as ports:
+        yield ports
+
 
 
 def sealed(path: Path, kernelspec: str, seal: dict, *cells: str) -> Path:
