@@ -17,7 +17,7 @@ from sandbox_kernel.api import SandboxClient, SandboxView, names
 from sandbox_kernel.api import egress_rules
 from sandbox_kernel.api.models import ForkSandboxRequest, PatchSandboxRequest, SandboxStatus
 from sandbox_kernel.config import DEFAULT_AUTO_PAUSE, EngineNotRunning, Settings, open_client
-from sandbox_kernel.sandbox import ownership, pool
+from sandbox_kernel.sandbox import host_pip_settings, ownership, pool
 from sandbox_kernel.sandbox.cost import Meter
 from sandbox_kernel.sandbox.listing import Listed, describe_age, listing
 
@@ -145,7 +145,10 @@ class Sandboxes:
             views = await client.list_sandboxes()
             try:
                 source = names.resolve(names.live(views), ref, self.settings.description)
-                envs = names.fork_envs(source, names.checked(name) if name else None)
+                # A sandbox the kernel made carries the host's pip settings as envs, which a
+                # named fork must be given again (names.fork_envs): this host's, as the kernel's.
+                envs = names.fork_envs(source, names.checked(name) if name else None,
+                                       host_pip_settings.for_sandbox(self.settings).envs)
                 if name and (holder := names.taken_by(views, name)):
                     raise PanelError(f"the name {name!r} is taken by sandbox {holder.id}: choose another", 409)
             except names.SandboxNameError as exc:

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import http.server
 import re
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
 
 from browser_helpers import ARTIFACTS, Lab, lab_page_that_ran
+from named_servers import named_servers
 from sandbox_kernel.api import NotFoundError, SandboxClient, SandboxView
 from sandbox_kernel.api.local_engine import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint
@@ -203,25 +202,11 @@ def test_a_fork_from_the_panel_opens_as_a_second_live_notebook_and_is_destroyed(
         assert api_view(engine, source).status.value == "paused"
 
 
-class Answer(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        body = b"hello from the host"
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
 def host_server() -> Iterator[int]:
     """An HTTP server on the host's loopback: the sandbox reaches it only with a rule."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
+    with named_servers("hello from the host") as (port,):
+        yield port
 
 
 FETCH = f"""\
