@@ -52,7 +52,7 @@ def probe_bwrap(bwrap: str) -> tuple[bool, str]:
 
 
 def fork_line() -> str:
-    """Fork needs nested user namespaces inside a sandbox (see local/guest/nsfork.py)."""
+    """Fork needs nested user namespaces inside a sandbox (see guest/agent/nsfork.py)."""
     try:
         limit = int(Path("/proc/sys/user/max_user_namespaces").read_text())
     except (OSError, ValueError):
@@ -140,7 +140,7 @@ TOUR_PACKAGES = (
     # The kernel answers the panel's requests itself: nothing of it runs in the sandbox.
     TourPackage("jupyter-resource-usage", "the kernel usage panel", frontend="jupyter-resource-usage",
                 without_frontend="JupyterLab has no kernel usage panel", in_sandbox=False),
-    # JupyterLab's debugger is built in; the kernel drives debugpy in the sandbox (runner_debug.py).
+    # JupyterLab's debugger is built in; the kernel drives debugpy in the sandbox (guest/runner/debug.py).
     TourPackage("debugpy", "the debugger"),
 )
 

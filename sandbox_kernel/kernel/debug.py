@@ -1,4 +1,4 @@
-"""The debugger: debugpy in the sandbox (guest/runner_debug.py). The frontend's DAP requests
+"""The debugger: debugpy in the sandbox (guest/runner/debug.py). The frontend's DAP requests
 go to it through the runner, its answers come back as debug_reply, its events as
 debug_event on IOPub, within a budget."""
 

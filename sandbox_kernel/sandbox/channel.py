@@ -1,7 +1,7 @@
 """The kernel's one duplex channel to its runner, over a managed process (CreateOS §15.3).
 
 At start (and after every runner start or sandbox switch) the session's link (runner_link.py)
-starts one managed process in the sandbox, `runner_client.py channel DIR`: a relay holding one connection to
+starts one managed process in the sandbox, `guest/runner/client.py channel DIR`: a relay holding one connection to
 the runner daemon. Every request (run a cell, interrupt, input answer, complete, inspect,
 info) is one stdin line, sent with the process `input` call; every event comes back on
 the process's output stream, which the kernel follows with one `connect` for its

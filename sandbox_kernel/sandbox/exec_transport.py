@@ -2,7 +2,7 @@
 
 Used on providers without managed processes (channel.py is the transport everywhere
 else; runner_link.py decides which, once, at the first runner start). Each cell is one
-streaming exec of `runner_client.py run`, whose stdout is the cell's NDJSON events. If that stream
+streaming exec of `guest/runner/client.py run`, whose stdout is the cell's NDJSON events. If that stream
 drops, `run` is sent again with the last event seen, and the runner resumes the same cell
 from there, so nothing is lost or repeated. Where the service cannot stream exec output
 (some CreateOS versions: 404 or an `error` frame; a gateway answering a held exec with
@@ -112,7 +112,7 @@ class ExecTransport:
         return done
 
     async def _follow(self, stream: _EventStream, request: dict[str, Any]) -> dict[str, Any] | None:
-        """One exec of `runner_client.py run`: streamed if the service can, else one poll."""
+        """One exec of `guest/runner/client.py run`: streamed if the service can, else one poll."""
         if self.streaming.available:
             try:
                 return await stream.follow(self.client_args(protocol.RUN, encode_arg({**request, "wait": None})))

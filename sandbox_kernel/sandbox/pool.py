@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandbox_kernel.sandbox import ownership
-from sandbox_kernel.guest import bundle as runner_bundle
+from sandbox_kernel.guest import bundle
 from sandbox_kernel.config import Settings
 from sandbox_kernel.paths import state_dir, write_private
 
@@ -69,7 +69,7 @@ def pool_key(settings: Settings) -> str:
                 sorted(settings.egress) if settings.egress is not None else None,
                 settings.disk_mib,
                 hashlib.sha256(json.dumps(sorted((settings.sandbox_env or {}).items())).encode()).hexdigest(),
-                runner_bundle.own_hash()]
+                bundle.own_hash()]
     return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
 
 

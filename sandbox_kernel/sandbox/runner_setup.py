@@ -1,6 +1,6 @@
 """Starting the runner in a sandbox: upload its bundle, start its daemon, wait until it serves.
 
-The runner (guest/runner.py) is uploaded at every start and run as a daemon holding the
+The runner (guest/runner/) is uploaded at every start and run as a daemon holding the
 user's globals, under a warden (guest/runner/warden.py) that records how it ended and its
 peak memory (how_runner_ended reads that).
 Everything goes through SandboxClient (execs and file uploads), so the same code serves
@@ -42,7 +42,7 @@ RUNNER_END = re.compile(r"([0-9]{1,3})(?: ([0-9]{1,12}))?\n?")
 
 
 def runner_client(*args: str) -> list[str]:
-    """Arguments of a short-lived runner client: runner_client.py, which starts in a bare
+    """Arguments of a short-lived runner client: guest/runner/client.py, which starts in a bare
     interpreter's time (no site-packages, only built-in modules), once per cell."""
     return ["-I", "-S", RUNNER_CLIENT_PATH, *args]
 
