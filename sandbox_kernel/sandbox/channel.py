@@ -17,7 +17,7 @@ if it is not (a provider with a smaller window), the gap is said in the cell as 
 Interrupts are input lines too: they need no stream.
 
 A relay that ends without last words (killed from inside the sandbox: `pkill -f
-runner_client` in a cell, the OOM killer; or crashed) says nothing about its daemon, which
+runner/client.py` in a cell, the OOM killer; or crashed) says nothing about its daemon, which
 usually lives on: a new relay is started in its place, and the cell in flight is asked for
 again with `after` its last event, so the daemon sends only what the kernel has not seen
 (variables and all are kept). A relay's own verdict ({"error": ...}: the daemon closed the
