@@ -256,6 +256,7 @@ class RunnerChannel:
     async def send(self, message: dict[str, Any]) -> None:
         """One request line (interrupt and input need no reply, nor the output stream)."""
         await self.transport.send(self.process_id, (json.dumps(message) + "\n").encode())
+        self._running_again.set()  # it was taken: the sandbox runs, so may its stream
 
     def _check(self) -> None:
         if self.failure is not None:
@@ -300,7 +301,11 @@ class RunnerChannel:
                     # stopped: wait for the session's word that it runs again, asking the
                     # service ever less often meanwhile (someone else may resume it).
                     try:
-                        await asyncio.wait_for(self._running_again.wait(), paused_recheck)
+                        # With work in flight (paused by someone else mid-cell), look as often
+                        # as before; the long waits are for an idle notebook.
+                        busy = bool(self._cells or self._replies)
+                        await asyncio.wait_for(self._running_again.wait(),
+                                               RECONNECT_DELAYS[-1] if busy else paused_recheck)
                         paused_recheck = PAUSED_RECHECK_FIRST
                     except asyncio.TimeoutError:
                         paused_recheck = min(paused_recheck * 2, PAUSED_RECHECK_MAX)

@@ -161,6 +161,7 @@ class Recorder:
 @pytest.fixture(autouse=True)
 def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(channel_module, "RECONNECT_DELAYS", (0.0,) * 4)
+    monkeypatch.setattr(channel_module, "PAUSED_RECHECK_FIRST", 0.0)
 
 
 async def open_channel(process: ScriptedProcess, recorder: Recorder) -> RunnerChannel:
