@@ -72,7 +72,7 @@ def for_sandbox(settings: Settings) -> HostPipSettings:
     for line in found.withheld:
         if line not in _said:
             _said.add(line)
-            log.warning("%s", line)
+            log.info("%s", line)  # the kernel log at INFO: a kernel writes nothing to stderr unasked
     return found
 
 

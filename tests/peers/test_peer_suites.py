@@ -37,7 +37,7 @@ SUITES = {suite.name: suite for suite in (
     # ipykernel's suite drives its classes in-process), under its own pytest config
     # (per-test timeout 30 s, warnings are errors).
     PeerSuite("ipykernel", ("tests/test_message_spec.py", "tests/test_kernel.py",
-                            "tests/test_async.py", "tests/e2e/test_debugger.py", "tests/e2e/test_subshells.py")),
+                            "tests/test_async.py", "tests/test_debugger.py", "tests/test_subshells.py")),
     # Under its own pytest config (warnings are errors). TestRunCell feeds canned messages to
     # a mock client: no kernel in it.
     PeerSuite("nbclient", ("tests/test_client.py",), ("-k", "not TestRunCell", "--timeout=120")),
