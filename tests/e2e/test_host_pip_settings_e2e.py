@@ -21,7 +21,7 @@ from sandbox_kernel.sandbox.host_pip_settings import SANDBOX_CA_DIR
 
 # The loopback index is reached by the local engine's host alias: nothing to check on the
 # CreateOS code path, whose sandboxes cannot reach this host.
-pytestmark = [pytest.mark.slow, pytest.mark.kernel, pytest.mark.one_path]
+pytestmark = [pytest.mark.slow, pytest.mark.one_path]
 
 CA_VARIABLES = ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE")
 SHOW = ("import os, json, hashlib\n"
