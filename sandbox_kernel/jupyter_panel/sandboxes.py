@@ -107,18 +107,20 @@ class Sandboxes:
     # -- actions ----------------------------------------------------------------------------
 
     async def pause(self, ref: str) -> str:
-        async with self.client() as client:
-            view = await self.view(client, ref)
-            if view.status != SandboxStatus.RUNNING:
-                raise PanelError(f"sandbox {view.id} is {view.status.value}: only a running one can be paused", 409)
-            return (await client.pause_sandbox(view.id)).status.value
+        return await self._switch(ref, SandboxStatus.RUNNING, "paused")
 
     async def resume(self, ref: str) -> str:
+        return await self._switch(ref, SandboxStatus.PAUSED, "resumed")
+
+    async def _switch(self, ref: str, needed: SandboxStatus, done: str) -> str:
+        """Pause a running sandbox or resume a paused one; any other state is one 409 line."""
         async with self.client() as client:
             view = await self.view(client, ref)
-            if view.status != SandboxStatus.PAUSED:
-                raise PanelError(f"sandbox {view.id} is {view.status.value}: only a paused one can be resumed", 409)
-            return (await client.resume_sandbox(view.id)).status.value
+            if view.status != needed:
+                raise PanelError(f"sandbox {view.id} is {view.status.value}: only a {needed.value} one "
+                                 f"can be {done}", 409)
+            switch = client.pause_sandbox if needed == SandboxStatus.RUNNING else client.resume_sandbox
+            return (await switch(view.id)).status.value
 
     async def keep(self, ref: str) -> str:
         async with self.client() as client:
