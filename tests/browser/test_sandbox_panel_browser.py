@@ -84,9 +84,12 @@ def row(panel: Any, sandbox_id: str, **attributes: str) -> Any:
 
 
 def run_cell(page: Any, code: str) -> None:
-    """Type `code` into the notebook's last cell and run it."""
+    """Type `code` into the notebook's last cell and run it. Typing waits until the editor has
+    the focus: in command mode (a notebook still settling after it opened) the same keys are
+    JupyterLab's shortcuts ('x' cuts the cell, 'b' adds one) and the cell never runs."""
     editor = page.locator(".jp-CodeCell .jp-InputArea-editor:visible").last
     editor.click()
+    editor.locator(".cm-editor.cm-focused").wait_for()
     page.keyboard.press("Control+a")
     page.keyboard.type(code)
     page.keyboard.press("Shift+Enter")

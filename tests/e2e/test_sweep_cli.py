@@ -47,11 +47,13 @@ def live_ids(engine: EngineEndpoint) -> set[str]:
     return asyncio.run(listed())
 
 
-def forks_of_live(engine: EngineEndpoint) -> dict[str, list[str] | None]:
-    """Live forks -> their egress rules."""
+def forks_of_live(engine: EngineEndpoint, before: set[str]) -> dict[str, list[str] | None]:
+    """Live forks made since `before` -> their egress rules (another test in the same run may
+    leave a fork of its own alive)."""
     async def listed() -> dict[str, list[str] | None]:
         async with SandboxClient(engine.url, engine.token) as client:
-            return {view.id: view.egress for view in names.live(await client.list_sandboxes()) if view.forked_from}
+            return {view.id: view.egress for view in names.live(await client.list_sandboxes())
+                    if view.forked_from and view.id not in before}
     return asyncio.run(listed())
 
 
@@ -120,16 +122,16 @@ def test_ctrl_c_mid_sweep_leaves_no_fork(kernelspec: str, engine: EngineEndpoint
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while len(forks_of_live(engine)) < 2:
+        while len(forks_of_live(engine, before)) < 2:
             assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()
             time.sleep(0.2)
-        assert list(forks_of_live(engine).values()) == [["127.0.0.1:9"]] * 2
+        assert list(forks_of_live(engine, before).values()) == [["127.0.0.1:9"]] * 2
         # Mid-sweep every fork has a live owner: gc would destroy none of them.
         assert not doomed_since(before)
         listed = subprocess.run([sys.executable, "-m", "sandbox_kernel", "ls"], capture_output=True,
                                 text=True, timeout=60).stdout
         assert all("owner: kernel " in line for line in listed.splitlines()
-                   if line.split()[0] in forks_of_live(engine)), listed
+                   if line.split()[0] in forks_of_live(engine, before)), listed
         # Ctrl-C in a terminal: SIGINT to the whole foreground process group.
         os.killpg(sweep.pid, signal.SIGINT)
         stdout, stderr = sweep.communicate(timeout=90)
