@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterator
@@ -62,8 +63,11 @@ REFILL_SHUTDOWN_WAIT = 3.0
 
 def pool_key(settings: Settings) -> str:
     """What makes two sandboxes interchangeable, hashed (the API key only as a hash); the
-    runner bundle's hash too, as a member's runner is started when it is made."""
-    identity = [settings.provider, settings.base_url if settings.provider == "createos" else "local",
+    runner bundle's hash too, as a member's runner is started when it is made. Locally each
+    Python environment has its own engine (local/service.py engine_dir) whose sandboxes see
+    that environment: a member made by another environment's engine is not this kernel's."""
+    where = settings.base_url if settings.provider == "createos" else os.path.realpath(sys.prefix)
+    identity = [settings.provider, where,
                 hashlib.sha256((settings.api_key or "").encode()).hexdigest(),
                 settings.shape, settings.rootfs,
                 sorted(settings.egress) if settings.egress is not None else None,

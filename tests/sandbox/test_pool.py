@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +126,11 @@ def test_the_option_and_the_configuration_key() -> None:
                 Settings(provider="createos", api_key="k1"), Settings(provider="createos", api_key="k2")]
     keys = {pool.pool_key(settings) for settings in [base, *variants]}
     assert len(keys) == len(variants) + 1
+
+
+def test_each_python_environment_has_its_own_pool(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each environment's kernels use their own engine: a member another environment's
+    engine made is unknown to this one's, so it must not be offered to this kernel."""
+    here = pool.pool_key(Settings(provider="local"))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    assert pool.pool_key(Settings(provider="local")) != here
