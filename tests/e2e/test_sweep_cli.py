@@ -1,6 +1,7 @@
 """`sandbox-kernel sweep` end to end: the setup runs once, every branch goes on from its live
 state in a fork, a failing branch is reported while the others finish, and no fork outlives
-the sweep, neither at its end nor after Ctrl-C."""
+the sweep, neither at its end nor after Ctrl-C. Run on both code paths: the sweep forks and
+destroys through the sandbox API, as the CreateOS provider does."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from sandbox_kernel.api import SandboxClient
 from sandbox_kernel.api import names
 from sandbox_kernel.local.service import EngineEndpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.one_path]
+pytestmark = [pytest.mark.slow]
 
 SETUP = ("import secrets, time\n"
          "token = secrets.token_hex(8)\n"
