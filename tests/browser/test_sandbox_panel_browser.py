@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import pytest
 
 from browser_helpers import ARTIFACTS, Lab, lab_page_that_ran
-from named_servers import named_servers
+from named_servers import FETCH, named_servers
 from sandbox_kernel.api import NotFoundError, SandboxClient, SandboxView
 from sandbox_kernel.api.local_engine import HOST_ALIAS
 from sandbox_kernel.local.service import EngineEndpoint
@@ -211,15 +211,6 @@ def host_server() -> Iterator[int]:
     with named_servers("hello from the host") as (port,):
         yield port
 
-
-FETCH = f"""\
-import urllib.request, urllib.error
-def fetch(port):
-    try:
-        return urllib.request.urlopen(f"http://{HOST_ALIAS}:{{port}}/", timeout=10).read().decode()
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {{exc.code}}"
-"""
 
 
 def test_a_refusal_allowed_from_the_panel_lets_the_next_request_through(

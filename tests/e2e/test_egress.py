@@ -17,7 +17,7 @@ from jupyter_client.manager import KernelManager
 
 from engine_helpers import wait_status
 from fault_proxy import proxied_engine
-from named_servers import named_servers
+from named_servers import FETCH, named_servers
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel.api import (
     BadRequestError,
@@ -47,17 +47,6 @@ def kernel(kernelspec: str, servers: tuple[int, int]) -> Iterator[tuple[KernelMa
         yield pair
 
 
-FETCH = """
-import urllib.request, urllib.error
-def fetch(port):
-    try:
-        return urllib.request.urlopen(f"http://HOST_ALIAS:{port}/", timeout=10).read().decode()
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}: {exc.read().decode().strip()}"
-    except OSError as exc:
-        return type(exc).__name__
-""".replace("HOST_ALIAS", HOST_ALIAS)
-
 SOCKS = """
 import socket, struct
 def socks(port):
@@ -86,7 +75,7 @@ def test_rules_let_through_only_what_they_name(kc: BlockingKernelClient, servers
     a, b = servers
     out(kc, FETCH + SOCKS)
     assert out(kc, f"print(fetch({a}))") == "A\n"
-    denied = out(kc, f"print(fetch({b}))")
+    denied = out(kc, f"print(fetch({b}, detail=True))")
     assert denied.startswith(f"HTTP 403: egress denied: {HOST_ALIAS}:{b}")
     assert out(kc, f"print(socks({a}), '|', socks({b}))") == "A | SOCKS refused 2\n"
     if shutil.which("curl"):
@@ -111,7 +100,7 @@ def test_rules_change_live_and_refusals_are_reported(kc: BlockingKernelClient, s
     opened = execute(kc, "%egress open")
     assert "every public destination is now reachable" in opened.text("stderr")
     # Allow-all is public destinations only: the host's loopback still needs a rule.
-    assert "covers public destinations only" in out(kc, f"print(fetch({a}))")
+    assert "covers public destinations only" in out(kc, f"print(fetch({a}, detail=True))")
     out(kc, "%egress block-all")
     assert out(kc, f"print(fetch({a}))").startswith("HTTP 403")
     out(kc, f"%egress only 127.0.0.1:{a}")
@@ -218,7 +207,7 @@ def test_bad_rules_are_refused_before_any_request(kc: BlockingKernelClient, serv
 def test_the_engine_api_stays_closed(kc: BlockingKernelClient, engine: EngineEndpoint) -> None:
     port = int(engine.url.rsplit(":", 1)[1])
     out(kc, FETCH + f"\n%egress allow 127.0.0.1:{port}")
-    assert "engine's API is never reachable" in out(kc, f"print(fetch({port}))")
+    assert "engine's API is never reachable" in out(kc, f"print(fetch({port}, detail=True))")
 
 
 def test_api_validation_and_forks_with_their_own_rules(engine: EngineEndpoint, servers: tuple[int, int]) -> None:

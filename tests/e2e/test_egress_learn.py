@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
-from named_servers import named_servers
+from named_servers import FETCH, named_servers
 from kernel_helpers import execute, running_kernel
 from package_index import PACKAGE, serving_index
 from sandbox_kernel.api import SandboxClient, names
@@ -36,15 +36,6 @@ def servers() -> Iterator[tuple[int, ...]]:
         yield ports
 
 
-
-FETCH = """
-import urllib.request, urllib.error
-def fetch(port):
-    try:
-        return urllib.request.urlopen(f"http://HOST_ALIAS:{port}/", timeout=10).read().decode()
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}"
-""".replace("HOST_ALIAS", HOST_ALIAS)
 
 # Asks the in-sandbox proxy port for `count` distinct destinations, one CONNECT each; prints
 # how many the engine answered (403: refused, and seen).

@@ -13,21 +13,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from named_servers import named_servers
-from sandbox_kernel.api.local_engine import HOST_ALIAS
+from named_servers import FETCH, named_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.one_path]
-
-FETCH = f"""
-import urllib.request, urllib.error
-def fetch(port):
-    try:
-        return urllib.request.urlopen(f"http://{HOST_ALIAS}:{{port}}/", timeout=10).read().decode()
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {{exc.code}}"
-    except OSError as exc:
-        return type(exc).__name__
-"""
 
 
 @pytest.fixture(scope="module")

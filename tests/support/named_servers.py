@@ -8,6 +8,22 @@ import http.server
 import threading
 from collections.abc import Iterator
 
+from sandbox_kernel.api.local_engine import HOST_ALIAS
+
+# Code for a cell: fetch(port) is what the sandbox gets from the host's server on that port (its
+# name), "HTTP 403" when the egress proxy refuses (detail=True: with the proxy's reason), or the
+# name of the error when the connection itself fails.
+FETCH = f"""
+import urllib.request, urllib.error
+def fetch(port, detail=False):
+    try:
+        return urllib.request.urlopen(f"http://{HOST_ALIAS}:{{port}}/", timeout=10).read().decode()
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {{exc.code}}: {{exc.read().decode().strip()}}" if detail else f"HTTP {{exc.code}}"
+    except OSError as exc:
+        return type(exc).__name__
+"""
+
 
 class Answer(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
