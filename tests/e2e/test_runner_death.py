@@ -10,14 +10,16 @@ policy holds. (The memory limit's cause: tests/e2e/test_limits_kernel.py.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import nbformat
 import pytest
-from jupyter_client import KernelManager
+from jupyter_client import BlockingKernelClient, KernelManager
 from jupyter_client.ioloop import AsyncIOLoopKernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
@@ -59,6 +61,30 @@ threading.Thread(target=_die_after, args=(sys._getframe().f_code.co_filename,), 
 """
 
 
+@contextlib.contextmanager
+def kernel_that_may_die(kernelspec: str, **start: Any) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    """A ready kernel driven by hand (no restarter), shut down after the test whether its
+    process is still alive or not; start_kernel's arguments as `start`."""
+    km = KernelManager(kernel_name=kernelspec)
+    km.start_kernel(**start)
+    try:
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=TIMEOUT)
+        yield km, kc
+        kc.stop_channels()
+    finally:
+        km.shutdown_kernel(now=True)
+
+
+def ended(km: KernelManager) -> bool:
+    """Whether the kernel process ends on its own (within TIMEOUT)."""
+    deadline = time.monotonic() + TIMEOUT
+    while km.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not km.is_alive()
+
+
 def test_nbclient_sees_a_dead_kernel_and_the_cell_says_why(kernelspec: str) -> None:
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(KILL_ITSELF),
                                          nbformat.v4.new_code_cell("print('never run')")])
@@ -69,19 +95,10 @@ def test_nbclient_sees_a_dead_kernel_and_the_cell_says_why(kernelspec: str) -> N
 
 
 def test_a_restarted_kernel_drives_the_same_sandbox_with_a_fresh_python(kernelspec: str) -> None:
-    km = KernelManager(kernel_name=kernelspec)
-    km.start_kernel()
-    try:
-        kc = km.client()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=TIMEOUT)
-        before = execute(kc, WRITE_AND_NAME)
-        sandbox_id = before.text().strip()
+    with kernel_that_may_die(kernelspec) as (km, kc):
+        sandbox_id = execute(kc, WRITE_AND_NAME).text().strip()
         kc.execute(KILL_ITSELF)
-        deadline = time.monotonic() + TIMEOUT
-        while km.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not km.is_alive()
+        assert ended(km)
         kc.stop_channels()
         # What a server's restarter does once it sees the process dead (JupyterLab's).
         km.restart_kernel(now=True)
@@ -94,16 +111,6 @@ def test_a_restarted_kernel_drives_the_same_sandbox_with_a_fresh_python(kernelsp
         assert after.text() == f"{sandbox_id} still here False\n"
         assert after.reply["content"]["execution_count"] == 1  # a new kernel's count
         kc.stop_channels()
-    finally:
-        km.shutdown_kernel(now=True)
-
-
-def ended(km: KernelManager) -> bool:
-    """Whether the kernel process ends on its own (within TIMEOUT)."""
-    deadline = time.monotonic() + TIMEOUT
-    while km.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not km.is_alive()
 
 
 def iopub_left(kc: Any) -> list[dict[str, Any]]:
@@ -119,12 +126,7 @@ def iopub_left(kc: Any) -> list[dict[str, Any]]:
 
 
 def test_a_python_that_dies_between_cells_ends_the_kernel_without_a_next_cell(kernelspec: str) -> None:
-    km = KernelManager(kernel_name=kernelspec)
-    km.start_kernel()
-    try:
-        kc = km.client()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=TIMEOUT)
+    with kernel_that_may_die(kernelspec) as (km, kc):
         armed = execute(kc, "print('armed')" + DIE_AFTER_THE_CELL)
         assert armed.reply["content"]["status"] == "ok", armed.text("stderr")
         assert armed.text() == "armed\n"
@@ -132,34 +134,22 @@ def test_a_python_that_dies_between_cells_ends_the_kernel_without_a_next_cell(ke
         said = [msg for msg in iopub_left(kc) if msg["msg_type"] == "stream"]
         assert [(msg["content"]["name"], msg["content"]["text"]) for msg in said] == [("stderr", SAID_EXIT_3)]
         assert said[0]["parent_header"]["msg_id"] == armed.reply["parent_header"]["msg_id"]  # the last cell
-        kc.stop_channels()
-    finally:
-        km.shutdown_kernel(now=True)
 
 
 def test_without_a_channel_a_death_between_cells_is_found_by_the_next_cell(
         kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """A provider without managed processes (one exec per cell): nothing follows the Python
     between cells, so its death is found by the next cell, which says it as for a death in a cell."""
-    km = KernelManager(kernel_name=kernelspec)
-    with proxied_engine(engine, monkeypatch, refuse_processes=True):
-        km.start_kernel()
-        try:
-            kc = km.client()
-            kc.start_channels()
-            kc.wait_for_ready(timeout=TIMEOUT)
-            armed = execute(kc, "print('armed')" + DIE_AFTER_THE_CELL)
-            assert armed.reply["content"]["status"] == "ok", armed.text("stderr")
-            time.sleep(3)  # the Python ends meanwhile (half a second after its cell)
-            assert km.is_alive()
-            next_cell = kc.execute("print('never run')")
-            assert ended(km)
-            said = [msg for msg in iopub_left(kc) if msg["msg_type"] == "stream"]
-            assert [(msg["content"]["name"], msg["content"]["text"]) for msg in said] == [("stderr", SAID_EXIT_3)]
-            assert said[0]["parent_header"]["msg_id"] == next_cell
-            kc.stop_channels()
-        finally:
-            km.shutdown_kernel(now=True)
+    with proxied_engine(engine, monkeypatch, refuse_processes=True), kernel_that_may_die(kernelspec) as (km, kc):
+        armed = execute(kc, "print('armed')" + DIE_AFTER_THE_CELL)
+        assert armed.reply["content"]["status"] == "ok", armed.text("stderr")
+        time.sleep(3)  # the Python ends meanwhile (half a second after its cell)
+        assert km.is_alive()
+        next_cell = kc.execute("print('never run')")
+        assert ended(km)
+        said = [msg for msg in iopub_left(kc) if msg["msg_type"] == "stream"]
+        assert [(msg["content"]["name"], msg["content"]["text"]) for msg in said] == [("stderr", SAID_EXIT_3)]
+        assert said[0]["parent_header"]["msg_id"] == next_cell
 
 
 def test_an_auto_restarter_restarts_a_kernel_whose_python_died_into_the_same_sandbox(kernelspec: str) -> None:
@@ -206,23 +196,17 @@ async def _restarted_by_the_restarter(kernelspec: str) -> None:
 
 def test_a_kernel_that_dies_with_nobody_to_restart_it_leaves_its_sandbox_as_its_policy_says(
         kernelspec: str, engine: EngineEndpoint) -> None:
-    km = KernelManager(kernel_name=kernelspec)
-    km.start_kernel(env={**os.environ, "SANDBOX_KERNEL_ON_SHUTDOWN": "keep"})
     sandbox_id = ""
     try:
-        kc = km.client()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=TIMEOUT)
-        sandbox_id = execute(kc, WRITE_AND_NAME).text().strip()
-        kc.execute(KILL_ITSELF)
-        assert ended(km)
-        kc.stop_channels()
-        # Nobody restarts it: the sandbox is kept, as `on_shutdown keep` asked, for `ls` and `gc` alike.
-        [listed] = [line for line in cli("ls").stdout.splitlines() if line.startswith(sandbox_id)]
-        assert listed.endswith("owner: kept"), listed
-        assert sandbox_id not in cli("gc", "--dry-run").stdout
-        assert sandbox_status(engine, sandbox_id) == SandboxStatus.RUNNING
+        with kernel_that_may_die(kernelspec, env={**os.environ, "SANDBOX_KERNEL_ON_SHUTDOWN": "keep"}) as (km, kc):
+            sandbox_id = execute(kc, WRITE_AND_NAME).text().strip()
+            kc.execute(KILL_ITSELF)
+            assert ended(km)
+            # Nobody restarts it: the sandbox is kept, as `on_shutdown keep` asked, for `ls` and `gc` alike.
+            [listed] = [line for line in cli("ls").stdout.splitlines() if line.startswith(sandbox_id)]
+            assert listed.endswith("owner: kept"), listed
+            assert sandbox_id not in cli("gc", "--dry-run").stdout
+            assert sandbox_status(engine, sandbox_id) == SandboxStatus.RUNNING
     finally:
-        km.shutdown_kernel(now=True)
         if sandbox_id:
             cli("rm", sandbox_id)
