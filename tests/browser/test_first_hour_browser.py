@@ -68,7 +68,6 @@ def lab_with_an_index(kernelspec: str, tmp_path: Path) -> Iterator[tuple[Lab, st
             yield lab, port
 
 
-@pytest.mark.timeout(360)
 def test_the_first_hour_walk(lab_with_an_index: tuple[Lab, str], kernelspec: str) -> None:
     lab, index_port = lab_with_an_index
     kept: str | None = None
