@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from browser_helpers import ARTIFACTS, Lab, lab_page_that_ran
+from browser_helpers import Lab, lab_page_that_ran, output_with, run_cell, screenshot
 from named_servers import FETCH, named_servers
 from sandbox_kernel.api import NotFoundError, SandboxClient, SandboxView
 from sandbox_kernel.api.local_engine import HOST_ALIAS
@@ -81,28 +81,6 @@ def row(panel: Any, sandbox_id: str, **attributes: str) -> Any:
     selector = f".jp-SandboxPanel-row[data-sandbox-id='{sandbox_id}']" + "".join(
         f"[data-{name}='{value}']" for name, value in attributes.items())
     return panel.locator(selector)
-
-
-def run_cell(page: Any, code: str) -> None:
-    """Type `code` into the notebook's last cell and run it. Typing waits until the editor has
-    the focus: in command mode (a notebook still settling after it opened) the same keys are
-    JupyterLab's shortcuts ('x' cuts the cell, 'b' adds one) and the cell never runs."""
-    editor = page.locator(".jp-CodeCell .jp-InputArea-editor:visible").last
-    editor.click()
-    editor.locator(".cm-editor.cm-focused").wait_for()
-    page.keyboard.press("Control+a")
-    page.keyboard.type(code)
-    page.keyboard.press("Shift+Enter")
-
-
-def output_with(page: Any, text: str) -> None:
-    page.locator(".jp-OutputArea-output:visible", has_text=text).last.wait_for()
-
-
-def screenshot(page: Any, name: str) -> None:
-    """Into test-artifacts/; docs/ has copies of these (panel.png and the others)."""
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / name))
 
 
 def test_pause_resume_keep_from_the_panel_and_the_status_bar_follows(

@@ -8,25 +8,11 @@ Screenshots are kept in test-artifacts/.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from browser_helpers import ARTIFACTS, Lab, lab_page_that_ran
+from browser_helpers import SLIDER_CELL, Lab, lab_page_that_ran, press_on_slider, screenshot
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
-
-SLIDER_CELL = """\
-import ipywidgets as widgets
-slider = widgets.IntSlider(value=3, min=0, max=10, description='n')
-out = widgets.Output()
-
-@out.capture()
-def seen(change):
-    print('the sandbox saw', change['new'])
-
-slider.observe(seen, names='value')
-display(slider, out)"""
 
 BACKGROUND_CELL = """\
 import threading, time
@@ -55,19 +41,6 @@ from ipywidgets import interact
 @interact(x=(0, 10))
 def square(x=4):
     print('square is', x * x)"""
-
-
-def screenshot(page: Any, name: str) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / name))
-
-
-def press_on_slider(page: Any, key: str, times: int) -> None:
-    """Moves the cell's slider with the keyboard, as a user would after clicking its handle."""
-    handle = page.locator(".jp-OutputArea-output .widget-slider .noUi-handle").first
-    handle.focus()
-    for _ in range(times):
-        handle.press(key)
 
 
 def test_a_slider_moved_in_the_page_reaches_its_observer_in_the_sandbox(jupyterlab: Lab, kernelspec: str) -> None:

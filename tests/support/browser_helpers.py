@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,11 +71,12 @@ class Lab:
 
 
 @contextlib.contextmanager
-def running_jupyterlab(root: Path, settings: Path) -> Iterator[Lab]:
-    """JupyterLab serving `root` on loopback (random port, random token)."""
+def running_jupyterlab(root: Path, settings: Path, extra_env: Mapping[str, str] | None = None) -> Iterator[Lab]:
+    """JupyterLab serving `root` on loopback (random port, random token), with `extra_env`
+    added to this process's environment (its kernels inherit it)."""
     token, port = secrets.token_hex(16), free_port()
     # Private settings and workspaces, so no Lab state from outside the test run leaks in.
-    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings / "settings"),
+    env = {**os.environ, **(extra_env or {}), "JUPYTERLAB_SETTINGS_DIR": str(settings / "settings"),
            "JUPYTERLAB_WORKSPACES_DIR": str(settings / "workspaces")}
     # Don't ask about Jupyter news: the question would cover the notebook in the screenshot.
     notification = settings / "settings" / "@jupyterlab" / "apputils-extension"
@@ -141,3 +142,51 @@ def lab_page_that_ran(lab: Lab, kernelspec: str, cell: str, run: bool = True) ->
     finally:
         lab.end_sessions()
         (lab.root / NOTEBOOK).unlink()
+
+
+def run_cell(page: Any, code: str) -> None:
+    """Put `code` into the notebook's last cell and run it. Waits until the editor has the
+    focus: in command mode (a notebook still settling after it opened) keys are JupyterLab's
+    shortcuts ('x' cuts the cell, 'b' adds one) and the cell never runs. The code is inserted
+    as a paste would be: typed, its newlines would meet the editor's auto-indent."""
+    editor = page.locator(".jp-CodeCell .jp-InputArea-editor:visible").last
+    editor.click()
+    editor.locator(".cm-editor.cm-focused").wait_for()
+    page.keyboard.press("Control+a")
+    page.keyboard.insert_text(code)
+    page.keyboard.press("Shift+Enter")
+
+
+def output_with(page: Any, text: str) -> Any:
+    """The last visible output holding `text`, once there is one."""
+    output = page.locator(".jp-OutputArea-output:visible", has_text=text).last
+    output.wait_for()
+    return output
+
+
+def screenshot(page: Any, name: str) -> None:
+    """Into test-artifacts/ (docs/ has copies of some: panel.png and the others)."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / name))
+
+
+# A slider whose observer, in the sandbox, prints into an Output widget shown under it.
+SLIDER_CELL = """\
+import ipywidgets as widgets
+slider = widgets.IntSlider(value=3, min=0, max=10, description='n')
+out = widgets.Output()
+
+@out.capture()
+def seen(change):
+    print('the sandbox saw', change['new'])
+
+slider.observe(seen, names='value')
+display(slider, out)"""
+
+
+def press_on_slider(page: Any, key: str, times: int) -> None:
+    """Moves the (first) slider widget with the keyboard, as a user would after clicking its handle."""
+    handle = page.locator(".jp-OutputArea-output .widget-slider .noUi-handle").first
+    handle.focus()
+    for _ in range(times):
+        handle.press(key)
