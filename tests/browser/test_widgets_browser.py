@@ -2,7 +2,8 @@
 
 JupyterLab and Chromium as in tests/browser/test_browser.py (tests/browser_helpers.py). The widget
 models live in the sandbox; every change made in the page travels frontend → kernel →
-sandbox as a comm message, and every change made in the sandbox comes back the same way.
+sandbox as a comm message, and every change made in the sandbox comes back the same way. The
+kernel's own widget, %sandbox sweep's progress bar, is checked here too.
 Screenshots are kept in test-artifacts/.
 """
 
