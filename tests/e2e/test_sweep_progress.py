@@ -46,11 +46,15 @@ def send_comm(kc: BlockingKernelClient, msg_type: str, content: dict[str, Any]) 
             return
 
 
+def open_control_comm(kc: BlockingKernelClient) -> None:
+    """What JupyterLab's widget manager does when it meets a kernel."""
+    send_comm(kc, "comm_open", {"comm_id": uuid.uuid4().hex, "target_name": "jupyter.widget.control", "data": {}})
+
+
 def test_a_sweep_shows_a_widget_bar_to_a_widget_manager_and_keeps_its_comms_on_the_host(kernelspec: str) -> None:
     with running_kernel(kernelspec) as (_, kc):
         assert execute(kc, SPY).reply["content"]["status"] == "ok"
-        send_comm(kc, "comm_open", {"comm_id": uuid.uuid4().hex, "target_name": "jupyter.widget.control",
-                                    "data": {}})
+        open_control_comm(kc)
         sweep = execute(kc, "%sandbox sweep -p x 1 2 3 --jobs 2 -- x * 10")
         assert sweep.reply["content"]["status"] == "ok"
         comms = [m for m in sweep.messages if m["msg_type"].startswith("comm_")]
@@ -97,3 +101,26 @@ def test_a_client_without_a_widget_manager_gets_the_text_line(kernelspec: str) -
         assert not [m for m in sweep.messages if m["msg_type"].startswith("comm_")]
         texts = [m["content"]["data"]["text/plain"] for m in displays(sweep)[:-1]]
         assert texts[0].endswith(": 0 of 2 done") and texts[-1].endswith("; every fork destroyed")
+
+
+def test_an_interrupted_sweep_closes_its_bar(kernelspec: str) -> None:
+    with running_kernel(kernelspec) as (km, kc):
+        open_control_comm(kc)
+        msg_id = kc.execute("%sandbox sweep -p x 1 2 --jobs 2 -- import time; time.sleep(600)")
+        messages = []
+        while not any(m["msg_type"] == "display_data" for m in messages):  # the bar is shown
+            messages.append(kc.get_iopub_msg(timeout=TIMEOUT))
+        km.interrupt_kernel()
+        while not (messages[-1]["msg_type"] == "status" and messages[-1]["content"]["execution_state"] == "idle"
+                   and messages[-1]["parent_header"].get("msg_id") == msg_id):
+            messages.append(kc.get_iopub_msg(timeout=TIMEOUT))
+        for msg in messages:
+            validate(msg)
+        opened = {m["content"]["comm_id"] for m in messages if m["msg_type"] == "comm_open"}
+        assert len(opened) == 3
+        assert {m["content"]["comm_id"] for m in messages if m["msg_type"] == "comm_close"} == opened
+        last_line = [m["content"]["data"] for m in messages if m["msg_type"] == "update_display_data"][-1]
+        assert last_line == {"text/plain": last_line["text/plain"]} and " of 2 done" in last_line["text/plain"]
+        while (reply := kc.get_shell_msg(timeout=TIMEOUT))["parent_header"].get("msg_id") != msg_id:
+            pass
+        assert reply["content"]["ename"] == "KeyboardInterrupt"
