@@ -14,7 +14,6 @@ from sandbox_kernel.guest import protocol
 KERNEL_METADATA = {"sandbox_kernel": {"status": True}}
 
 
-
 class Send(Protocol):
     """kernel.send_iopub: one iopub message on the request being handled."""
 

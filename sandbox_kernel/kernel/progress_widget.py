@@ -21,8 +21,8 @@ from typing import Any, Protocol
 from sandbox_kernel.kernel.output import KERNEL_METADATA, CellOutput
 from sandbox_kernel.kernel.output_safety import WIDGET_TARGET, WIDGET_VIEW, OutputFilter
 
-# ipywidgets 8 (jupyterlab_widgets 3): the comm protocol, and the version of its base and
-# controls modules the frontend loads the models and views from.
+# ipywidgets 8 (jupyterlab_widgets 3): the comm protocol, and the version of its controls
+# module, from which the frontend loads the models and views.
 PROTOCOL_VERSION = "2.1.0"
 CONTROLS = "@jupyter-widgets/controls"
 MODULE_VERSION = "2.0.0"
