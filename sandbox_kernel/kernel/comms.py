@@ -1,6 +1,8 @@
 """Comms (ipywidgets...): the comm manager lives in the sandbox. A frontend's comm messages
 are delivered there in the order they came, each run like a silent cell so that its
-handlers' messages come back with it as parent; comm_info is answered by the sandbox."""
+handlers' messages come back with it as parent; comm_info is answered by the sandbox. The
+kernel's own comms (its progress bars, progress_widget.py) are host state: the frontend's
+messages on them stay here, and the sandbox never learns their ids."""
 
 from __future__ import annotations
 
@@ -66,11 +68,18 @@ class CommRelay:
 
     async def _deliver(self, parent: dict[str, Any], announce: bool) -> None:
         kernel = self.kernel
+        # Noted even before the sandbox is up: JupyterLab's widget manager opens its control
+        # comm as soon as it meets the kernel, and only then (output_safety.frontend_has_widgets).
+        kernel.output_filter.comm_from_frontend(parent["header"]["msg_type"], parent["content"])
+        if kernel.output_filter.is_host_comm(parent["content"].get("comm_id")):
+            # A view of the kernel's own bar: the bar is output only, and the sandbox must not
+            # learn its id.
+            log.debug("%s on the kernel's own comm: kept on the host", parent["header"]["msg_type"])
+            return
         if not kernel.boot.ready():
             log.warning("%s before the sandbox is up: dropped", parent["header"]["msg_type"])
             return
         assert kernel.sandbox is not None
-        kernel.output_filter.comm_from_frontend(parent["header"]["msg_type"], parent["content"])
         message = {"msg_type": parent["header"]["msg_type"], "content": parent["content"],
                    "metadata": parent.get("metadata") or {},
                    "buffers": [base64.b64encode(bytes(buffer)).decode("ascii") for buffer in parent.get("buffers") or []]}

@@ -202,8 +202,8 @@ class SandboxKernel(Kernel):
         parent, and ipywidgets' Output widget there captures output by it."""
         return str(self.request_parent().get("header", {}).get("msg_id", ""))
 
-    def send_iopub(self, msg_type: str, content: dict[str, Any]) -> None:
-        self.session.send(self.iopub_socket, msg_type, content, self.request_parent())
+    def send_iopub(self, msg_type: str, content: dict[str, Any], metadata: dict[str, Any] | None = None) -> None:
+        self.session.send(self.iopub_socket, msg_type, content, self.request_parent(), metadata=metadata)
 
     def runner_offers(self, feature: str) -> bool:
         """The sandbox is up, a channel reaches its runner, and the runner says it has `feature`."""

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from sandbox_kernel.guest import protocol
 
@@ -14,7 +13,11 @@ from sandbox_kernel.guest import protocol
 # from the user's output.
 KERNEL_METADATA = {"sandbox_kernel": {"status": True}}
 
-Send = Callable[[str, dict[str, Any]], None]
+
+class Send(Protocol):
+    """kernel.send_iopub: one iopub message on the request being handled."""
+
+    def __call__(self, msg_type: str, content: dict[str, Any], metadata: dict[str, Any] | None = None) -> None: ...
 
 
 def html_without_math(body: str) -> str:
@@ -47,6 +50,10 @@ class CellOutput:
         self.send("update_display_data" if update else "display_data",
                   {"data": data, "metadata": metadata or {},
                    "transient": {"display_id": display_id} if display_id else {}})
+
+    def comm(self, msg_type: str, content: dict[str, Any], metadata: dict[str, Any] | None = None) -> None:
+        """A message of a comm the kernel itself opened (progress_widget.py)."""
+        self.send(msg_type, content, metadata)
 
     def progress(self, text: str) -> ProgressLine:
         return ProgressLine(self, text)

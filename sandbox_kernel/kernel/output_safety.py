@@ -16,13 +16,16 @@ sandbox passes through OutputFilter:
   libraries are withheld: the page's widget manager loads whatever library a model names,
   and that library may run what the sandbox sends (anywidget runs a model's `_esm` source).
   Comms to other targets pass: a target exists only where frontend code the user installed
-  registered it, and that code decides what it accepts.
+  registered it, and that code decides what it accepts;
+- comms the kernel opened itself (its progress bars, progress_widget.py) are host state: no
+  message of the sandbox's reaches them, whatever its trust.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +81,14 @@ class OutputFilter:
         self.widgets: dict[str, _Widget] = {}  # comm id: a core widget model the frontend has
         self.withheld: set[str] = set()  # comm ids of models and comms kept from the frontend
         self.other_comms: set[str] = set()  # other comms the frontend has (e.g. its control comm)
+        # Comms the kernel opened itself, for its life (a closed one's id is never the sandbox's
+        # to take: the page may still send on it). comms.py keeps the frontend's messages on
+        # them from the sandbox.
+        self.host_comms: set[str] = set()
+        # A frontend opened ipywidgets' control comm: it has a widget manager (JupyterLab's
+        # asks for every model's state when it meets the kernel), so it can show the kernel's
+        # progress as a widget.
+        self.frontend_has_widgets = False
 
     # -- mime bundles: display_data, execute_result, pages, inspection --------------------
 
@@ -160,12 +171,24 @@ class OutputFilter:
         comm_id = content.get("comm_id")
         if msg_type == "comm_open" and isinstance(comm_id, str):
             self.other_comms.add(comm_id)
+            self.frontend_has_widgets |= content.get("target_name") == WIDGET_CONTROL_TARGET
+
+    def is_host_comm(self, comm_id: object) -> bool:
+        return isinstance(comm_id, str) and comm_id in self.host_comms
+
+    def new_host_comm(self) -> str:
+        """An id for a comm of the kernel's own, none the sandbox or the frontend has used."""
+        while (comm_id := uuid.uuid4().hex) in self.widgets or comm_id in self.withheld or \
+                comm_id in self.other_comms or comm_id in self.host_comms:
+            pass
+        self.host_comms.add(comm_id)
+        return comm_id
 
     def comm_from_sandbox(self, msg_type: str, content: dict[str, Any],
                           buffers: list[bytes]) -> tuple[dict[str, Any], list[bytes]] | None:
         """A comm message of the sandbox's as the page may have it, or None to withhold it."""
         comm_id = content.get("comm_id")
-        if not isinstance(comm_id, str):
+        if not isinstance(comm_id, str) or self.is_host_comm(comm_id):
             return None
         data = content.get("data") if isinstance(content.get("data"), dict) else {}
         if msg_type == "comm_open":
@@ -218,7 +241,7 @@ class OutputFilter:
         kept: dict[str, Any] = {}
         for model_id, entry in states.items():
             state = entry.get("state") if isinstance(entry, dict) else None
-            if not isinstance(state, dict) or not _core_widget(state) or (
+            if not isinstance(state, dict) or not _core_widget(state) or self.is_host_comm(model_id) or (
                     model_id not in self.widgets and self._remembered() >= MAX_COMMS):
                 if self._remembered() < MAX_COMMS:
                     self.withheld.add(model_id)

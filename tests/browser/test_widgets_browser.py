@@ -2,7 +2,8 @@
 
 JupyterLab and Chromium as in tests/browser/test_browser.py (tests/browser_helpers.py). The widget
 models live in the sandbox; every change made in the page travels frontend → kernel →
-sandbox as a comm message, and every change made in the sandbox comes back the same way.
+sandbox as a comm message, and every change made in the sandbox comes back the same way. The
+kernel's own widget, %sandbox sweep's progress bar, is checked here too.
 Screenshots are kept in test-artifacts/.
 """
 
@@ -41,6 +42,26 @@ from ipywidgets import interact
 @interact(x=(0, 10))
 def square(x=4):
     print('square is', x * x)"""
+
+
+# Seconds per branch, one branch at a time: the bar is on the page for a while.
+SWEEP_CELL = "%sandbox sweep -p pause 1 2 3 --jobs 1 -- import time; time.sleep(pause); pause * 10"
+
+# The kernel's bar leaves the page when the sweep ends (its display becomes the outcome's line,
+# its views go with its models): what its bar and label showed then is read from their nodes
+# as they were removed.
+WATCH_REMOVED_WIDGETS = """() => {
+    window.removed = {widths: [], labels: []};
+    const within = (node, selector) => node.matches(selector) ? node : node.querySelector(selector);
+    new MutationObserver(records => {
+        for (const node of records.flatMap(record => [...record.removedNodes])) {
+            if (node.nodeType !== 1) continue;
+            const bar = within(node, '.progress-bar'), label = within(node, '.widget-label');
+            if (bar) window.removed.widths.push(bar.style.width);
+            if (label) window.removed.labels.push(label.textContent);
+        }
+    }).observe(document.body, {childList: true, subtree: true});
+}"""
 
 
 def test_a_slider_moved_in_the_page_reaches_its_observer_in_the_sandbox(jupyterlab: Lab, kernelspec: str) -> None:
@@ -86,3 +107,24 @@ def test_interact_reruns_the_function_in_the_sandbox(jupyterlab: Lab, kernelspec
         output.get_by_text("square is 49").wait_for()
         screenshot(page, "widgets-interact.png")
         assert output.get_by_text("square is 16").count() == 0  # interact cleared the earlier output
+
+
+def test_a_sweep_shows_its_progress_as_a_widget_bar_then_its_table(jupyterlab: Lab, kernelspec: str) -> None:
+    """The kernel's own bar (kernel/progress_widget.py), not the sandbox's: the page's widget
+    manager renders it from the kernel's comm messages."""
+    with lab_page_that_ran(jupyterlab, kernelspec, SWEEP_CELL, run=False) as page:
+        page.evaluate(WATCH_REMOVED_WIDGETS)
+        page.keyboard.press("Shift+Enter")
+        output = page.locator(".jp-OutputArea-output")
+        output.locator(".widget-hprogress .progress-bar").wait_for()
+        screenshot(page, "widgets-sweep-running.png")
+        output.locator("table", has_text="pause=3").wait_for()
+        screenshot(page, "widgets-sweep-done.png")
+        assert output.get_by_text("Swept 3 branch(es) over forks of sb-").count() == 1
+        assert output.locator(".widget-hprogress").count() == 0  # the bar is gone, its line in its place
+        rows = output.locator("table tr").all_inner_texts()
+        assert [row.split() for row in rows[1:]] == [[f"pause={pause}", "ok", str(pause * 10)] for pause in (1, 2, 3)]
+        # When it went, the bar was full and its label said so.
+        removed = page.evaluate("window.removed")
+        assert "100%" in removed["widths"], removed
+        assert any(label.endswith(": 3 of 3 done") for label in removed["labels"]), removed

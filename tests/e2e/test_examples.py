@@ -108,3 +108,19 @@ def test_egress_lockdown_without_an_index(kernelspec: str, tmp_path: Path) -> No
     """The defaults work offline: the install is skipped, the refusal still shown."""
     texts = run_example("egress-lockdown.ipynb", tmp_path, kernelspec)
     assert "install step skipped" in texts[2] and "refused: 403 Forbidden" in texts[3]
+
+
+def test_sweep(kernelspec: str, tmp_path: Path) -> None:
+    setup, swept, source = run_example("sweep.ipynb", tmp_path, kernelspec)
+    assert "200000 noisy samples ready" in setup
+    # papermill's client has no widget manager: the progress is the text line, then the table.
+    assert "Swept 5 branch(es) over forks of sb-" in swept and "every fork destroyed" in swept
+    rows = {row.split(None, 1)[0]: row.split()[1:] for row in swept.splitlines() if row.startswith("window=")}
+    assert list(rows) == [f"window={window}" for window in (0, 1, 11, 101, 1001)], swept
+    assert rows["window=0"][:2] == ["failed", "ZeroDivisionError:"]
+    errors = {window: float(rows[f"window={window}"][1]) for window in (1, 11, 101, 1001)
+              if rows[f"window={window}"][0] == "ok"}
+    assert len(errors) == 4, swept
+    # The noise shrinks as the window grows, until the window flattens the sine itself.
+    assert errors[1] > errors[11] > errors[101] < errors[1001]
+    assert "False 200000" in source  # the branches' values never reached the notebook's sandbox

@@ -14,6 +14,7 @@ from sandbox_kernel.guest import protocol
 from sandbox_kernel.kernel.magics.family import MagicFamily
 from sandbox_kernel.kernel.magics.parsing import MagicError
 from sandbox_kernel.kernel.magics.tables import table
+from sandbox_kernel.kernel.progress_widget import count_progress
 from sandbox_kernel.sandbox.session import SandboxSession
 from sandbox_kernel.sandbox.sweep import FAILED, OK, Branch, Outcome, SweepError, combinations, grid_of, parameter_source, sweep
 
@@ -30,23 +31,30 @@ class SweepMagics(MagicFamily):
         except SweepError as exc:
             raise MagicError(f"%sandbox sweep: {exc}") from None
         jobs = args.jobs or min(len(branches), os.cpu_count() or 1)
-        done = 0
-        line = self.out.progress(f"Sweeping {len(branches)} branch(es) over forks of {self.session.sandbox_id}: 0 done")
+        done = failed = 0
+        progress = count_progress(self.out, self.output_filter,
+                                  f"Sweeping {len(branches)} branch(es) over forks of {self.session.sandbox_id}",
+                                  len(branches))
 
-        def counted(_: Outcome) -> None:
-            nonlocal done
+        def counted(outcome: Outcome) -> None:
+            nonlocal done, failed
             done += 1
-            line.update(f"Sweeping {len(branches)} branch(es) over forks of {self.session.sandbox_id}: {done} done")
+            failed += outcome.status == FAILED
+            progress.count(done, failed)
 
         async def run_branch(branch: Branch, fork: SandboxView) -> Outcome:
             return await self._run_branch(branch, fork, code)
 
-        outcomes = await sweep(self.session, branches, run_branch, jobs, on_outcome=counted, keep=args.keep)
-        kept = [outcome.sandbox_id for outcome in outcomes if args.keep and outcome.sandbox_id]
-        for sandbox_id in kept:
-            self.session.keep(sandbox_id)
-        line.update(f"Swept {len(branches)} branch(es) over forks of {self.session.sandbox_id}"
-                    + (f"; kept {', '.join(kept)}" if kept else "; every fork destroyed"))
+        outcome_line: str | None = None  # interrupted: the progress stays as it stood
+        try:
+            outcomes = await sweep(self.session, branches, run_branch, jobs, on_outcome=counted, keep=args.keep)
+            kept = [outcome.sandbox_id for outcome in outcomes if args.keep and outcome.sandbox_id]
+            for sandbox_id in kept:
+                self.session.keep(sandbox_id)
+            outcome_line = (f"Swept {len(branches)} branch(es) over forks of {self.session.sandbox_id}"
+                            + (f"; kept {', '.join(kept)}" if kept else "; every fork destroyed"))
+        finally:
+            progress.end(outcome_line)
         header = ("parameters", "status", "result", *(("kept sandbox",) if kept else ()))
         self.out.display(table([header, *(
             (outcome.branch.label, outcome.status, one_line(outcome.collected.get("result") or outcome.error or ""),
