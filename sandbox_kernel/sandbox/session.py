@@ -131,8 +131,7 @@ class SandboxSession:
         self._meter = Meter()
         self._known: list[str] = []
         # Topping up the warm pool after this kernel claimed from it (pool.py).
-        self._pool_refill: asyncio.Task[None] | None = None
-        self._making_pool_member = False
+        self._pool_refill: pool.Refill | None = None
         # Local engine: the OOM kills seen in each sandbox's view (more later = the memory
         # limit killed something since).
         self._oom_kills: dict[str, int] = {}
@@ -268,25 +267,24 @@ class SandboxSession:
 
     # -- warm pool (pool.py) ----------------------------------------------------------------
 
+    def _warm_pool(self) -> pool.WarmPool | None:
+        """The warm pool for this session's settings, if one is configured (a sandbox given
+        a name is made for it alone)."""
+        if not self._settings.warm_pool or self._settings.name:
+            return None
+        return pool.WarmPool.for_settings(self._settings, self._settings.warm_pool)
+
     async def _start_from_pool(self) -> bool:
         """Start on a ready sandbox of the warm pool, if one is configured; True if we did.
 
         Either way the pool is topped up afterwards, in the background.
         """
-        if not self._settings.warm_pool or self._settings.name:  # a pooled sandbox has its name already
+        warm = self._warm_pool()
+        if warm is None:
             return False
-        warm = pool.WarmPool.for_settings(self._settings, self._settings.warm_pool)
-        tried: set[str] = set()
-        while (member := warm.claim(tried)) is not None:  # ours from here on (ownership.py)
-            tried.add(member.sandbox_id)
-            try:
-                await self._take_member(member.sandbox_id)
-                break
-            except (SessionError, SandboxAPIError, RuntimeError) as exc:  # e.g. destroyed behind our back
-                log.warning("warm pool sandbox %s is unusable (%s): trying another", member.sandbox_id, exc)
-                await self._drop_member(warm, member)
+        taken = await warm.claim_usable(self._take_member, self.destroy)
         self._refill_pool_later()
-        return self._sandbox_id is not None
+        return taken is not None
 
     async def _take_member(self, sandbox_id: str) -> None:
         """Drive a claimed member, with this kernel's auto-pause (the member's was the pool's
@@ -303,33 +301,15 @@ class SandboxSession:
                 await self.link.close(kill=True)
             raise
 
-    async def _drop_member(self, warm: pool.WarmPool, member: pool.Member) -> None:
-        """A claimed member this kernel cannot use is destroyed, or, if even that fails,
-        given back to the pool: never left without an owner."""
-        try:
-            await self.destroy(member.sandbox_id)
-        except NotFoundError:  # gone already
-            ownership.forget(member.sandbox_id)
-        except (SandboxAPIError, OSError, RuntimeError) as exc:
-            log.warning("could not destroy warm pool sandbox %s (%s): back to the pool", member.sandbox_id, exc)
-            warm.give_back(member)
-
     def _refill_pool_later(self) -> None:
         """Top the warm pool up in the background, if one is configured."""
-        if self._settings.warm_pool and not self._settings.name and self._refill_pool:
-            warm = pool.WarmPool.for_settings(self._settings, self._settings.warm_pool)
-            self._pool_refill = asyncio.get_running_loop().create_task(self._refill_later(warm))
-
-    async def _refill_later(self, warm: pool.WarmPool) -> None:
-        # Let this notebook's first cells have the CPU before sandboxes are made for others.
-        await asyncio.sleep(pool.REFILL_DELAY)
-        await warm.refill(self._make_pool_member)
+        if self._refill_pool and (warm := self._warm_pool()) is not None:
+            self._pool_refill = pool.Refill(warm, self._make_pool_member)
 
     async def _make_pool_member(self) -> str:
         """A new sandbox with its runner started, claimed by this kernel until it is pooled."""
         member = SandboxSession(replace(self._settings, auto_pause=pool.MEMBER_AUTO_PAUSE, warm_pool=0,
                                         name=None), client=self._client(), open_channel=False)
-        self._making_pool_member = True
         try:
             await member._create()
         except BaseException:
@@ -337,22 +317,13 @@ class SandboxSession:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(member.destroy(member.sandbox_id))
             raise
-        finally:
-            self._making_pool_member = False
         assert member.sandbox_id is not None
         return member.sandbox_id
 
     async def _stop_refill(self) -> None:
         """Before the client closes: drop a pending top-up, or let a member being made finish."""
-        task = self._pool_refill
-        if task is None or task.done():
-            return
-        if not self._making_pool_member:
-            task.cancel()
-        # Past this wait the kernel goes anyway; its half-made member stays claimed by
-        # this (then dead) kernel, so `sandbox-kernel gc` destroys it.
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(asyncio.shield(task), pool.REFILL_SHUTDOWN_WAIT)
+        if self._pool_refill is not None:
+            await self._pool_refill.stop()
 
     async def attach(self, sandbox_id: str, fresh_runner: bool = False,
                      progress: Progress | None = None) -> bool:
