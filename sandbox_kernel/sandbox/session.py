@@ -146,6 +146,7 @@ class SandboxSession:
 
     @property
     def settings(self) -> Settings:
+        """What this session makes and drives sandboxes with (the kernel's configuration)."""
         return self._settings
 
     @property
