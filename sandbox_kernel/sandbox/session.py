@@ -65,11 +65,12 @@ FORK_AUTO_PAUSE = 600
 RESTART_HANDOFF_WAIT = 120.0
 
 # Polling a transition (pause, resume, fork): locally it takes milliseconds, on CreateOS
-# it can take minutes; doubling from 20 ms to 2 s serves both with few requests.
-# A pause or resume on the local engine settles within a millisecond or two, the kernel's
-# wait is most of it: the first look again comes soon, then less and less often (on
-# CreateOS each look is a round trip anyway).
-POLL_FIRST, POLL_MAX, TRANSITION_BUDGET = 0.004, 2.0, 900.0
+# it can take minutes; growing from 4 ms to 2 s serves both with few requests. The first
+# look again comes soon, then less and less often (on CreateOS each look is a round trip
+# anyway). Growing by half each time, not doubling: a look overshoots the transition's end
+# by up to half the time waited so far, not all of it (a local fork of ~150 ms was seen
+# only at ~250 ms when doubling); on CreateOS that costs a few more looks per transition.
+POLL_FIRST, POLL_GROWTH, POLL_MAX, TRANSITION_BUDGET = 0.004, 1.5, 2.0, 900.0
 
 Progress = Callable[[str], None]
 
@@ -576,7 +577,7 @@ class SandboxSession:
             if progress:
                 progress(f"({view.status.value}, {waited:.0f} s)")
             await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX)
+            delay = min(delay * POLL_GROWTH, POLL_MAX)
 
     # -- cells ----------------------------------------------------------------------------
 
