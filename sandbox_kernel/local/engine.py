@@ -615,7 +615,8 @@ class Engine:
         return sandbox
 
     def pause(self, sandbox_id: str) -> LocalSandbox:
-        """Start pausing (answer `pausing` at once, like CreateOS); a task freezes it."""
+        """Start pausing (status `pausing`, like CreateOS); a task freezes it. The API
+        answers once that is done or a moment has passed (settled_soon)."""
         sandbox = self._settled(sandbox_id, SandboxStatus.RUNNING, "paused")
         self._begin(sandbox, SandboxStatus.PAUSING, self._freeze(sandbox))
         return sandbox
