@@ -35,6 +35,7 @@ from sandbox_kernel.api import (
     SandboxClient,
     SandboxStatus,
     SandboxView,
+    StatusAck,
     names,
 )
 from sandbox_kernel.config import SHUTDOWN_POLICIES, Settings, open_client
@@ -65,11 +66,12 @@ FORK_AUTO_PAUSE = 600
 RESTART_HANDOFF_WAIT = 120.0
 
 # Polling a transition (pause, resume, fork): locally it takes milliseconds, on CreateOS
-# it can take minutes; doubling from 20 ms to 2 s serves both with few requests.
-# A pause or resume on the local engine settles within a millisecond or two, the kernel's
-# wait is most of it: the first look again comes soon, then less and less often (on
-# CreateOS each look is a round trip anyway).
-POLL_FIRST, POLL_MAX, TRANSITION_BUDGET = 0.004, 2.0, 900.0
+# it can take minutes; growing from 4 ms to 2 s serves both with few requests. The first
+# look again comes soon, then less and less often (on CreateOS each look is a round trip
+# anyway). Growing by half each time, not doubling: a look overshoots the transition's end
+# by up to half the time waited so far, not all of it (a local fork of ~150 ms was seen
+# only at ~250 ms when doubling); on CreateOS that costs a few more looks per transition.
+POLL_FIRST, POLL_GROWTH, POLL_MAX, TRANSITION_BUDGET = 0.004, 1.5, 2.0, 900.0
 
 Progress = Callable[[str], None]
 
@@ -449,12 +451,33 @@ class SandboxSession:
 
     async def pause(self, progress: Progress | None = None) -> SandboxView:
         client, sandbox_id = self._require()
-        await client.pause_sandbox(sandbox_id)
-        return await self._settle(sandbox_id, SandboxStatus.PAUSED, progress)
+        answer = self._settled_answer(await client.pause_sandbox(sandbox_id), SandboxStatus.PAUSED)
+        return answer or await self._settle(sandbox_id, SandboxStatus.PAUSED, progress)
 
     async def resume(self, progress: Progress | None = None) -> SandboxView:
-        """`%sandbox resume`: wake this sandbox (one running already is refused)."""
-        return await self._wake(progress, refuse_running=True)
+        """`%sandbox resume`: wake this sandbox (one running already is refused).
+
+        Asked at once, without a look first: a sandbox that is not paused answers 409
+        and changes nothing (§4.2), and is then looked at: refused if running, else waited
+        for and woken as _wake does."""
+        client, sandbox_id = self._require()
+        try:
+            answer = await client.resume_sandbox(sandbox_id)
+        except ConflictError:
+            return await self._wake(progress, refuse_running=True)
+        view = self._settled_answer(answer, SandboxStatus.RUNNING)
+        if view is None:  # resuming: it runs soon, and must not be refused for that
+            return await self._wake(progress)
+        await self.link.sandbox_resumed(sandbox_id)
+        return view
+
+    def _settled_answer(self, answer: SandboxView | StatusAck, target: SandboxStatus) -> SandboxView | None:
+        """The view a pause or resume was answered with, if it is already `target` (the
+        local engine answers so once its freeze or thaw is done): no poll is needed then.
+        None for a transition under way, or a bare {id, status} (a full view is wanted)."""
+        if isinstance(answer, SandboxView) and answer.status == target:
+            return self._track(answer)
+        return None
 
     async def _wake(self, progress: Progress | None = None, refuse_running: bool = False) -> SandboxView:
         """Bring this sandbox to running, whatever transition it is in: CreateOS answers a
@@ -473,7 +496,11 @@ class SandboxSession:
                     break
                 if view.status == SandboxStatus.PAUSED:
                     with contextlib.suppress(ConflictError):  # still busy: a fork of it under way
-                        await client.resume_sandbox(sandbox_id)
+                        answer = self._settled_answer(await client.resume_sandbox(sandbox_id),
+                                                      SandboxStatus.RUNNING)
+                        if answer is not None:
+                            view = answer
+                            break
         await self.link.sandbox_resumed(sandbox_id)
         return view
 
@@ -571,7 +598,7 @@ class SandboxSession:
             if progress:
                 progress(f"({view.status.value}, {waited:.0f} s)")
             await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX)
+            delay = min(delay * POLL_GROWTH, POLL_MAX)
 
     # -- cells ----------------------------------------------------------------------------
 
