@@ -167,8 +167,10 @@ class SandboxKernel(Kernel):
         return self.boot.session
 
     def start(self) -> None:
-        super().start()
+        # Before ipykernel's start: it opens the control channel, whose thread may then handle
+        # a request (a usage panel asking at once) that needs the main loop.
         self.main_loop = asyncio.get_event_loop()
+        super().start()
         # interrupt_mode is "message", but a frontend may still send SIGINT: forward it.
         signal.signal(signal.SIGINT, lambda *_: self.main_loop.call_soon_threadsafe(self.interrupts.interrupt_soon))
         self.boot.begin(self.main_loop)
