@@ -120,7 +120,7 @@ class ManagedProcess:
     def __init__(self, kind: str, cmd: str, args: list, cwd: str, popen: subprocess.Popen,
                  outputs: dict, stdin_fd: int | None, master_fd: int | None) -> None:
         # secrets.token_hex(8) is os.urandom(8).hex(); the secrets module would also load
-        # hashlib and random into every sandbox's agent (~0.8 MiB).
+        # hashlib (OpenSSL) and random into every sandbox's agent.
         self.id = "proc-" + os.urandom(8).hex()
         self.kind, self.cmd, self.args, self.cwd = kind, cmd, args, cwd
         self.popen = popen
