@@ -20,7 +20,8 @@ import sys
 import time
 
 from common import Row, bench_env, ms, summary
-from sandbox_kernel.config import Settings
+from sandbox_kernel.api import SandboxClient
+from sandbox_kernel.config import Settings, open_client
 from sandbox_kernel.sandbox.session import SandboxSession
 
 FAN_OUT = 10
@@ -41,11 +42,10 @@ async def fill(session: SandboxSession, mib: int) -> None:
     await session.run_cell("setup-fill", code, ignore)
 
 
-async def fork_and_attach(session: SandboxSession) -> str:
+async def fork_and_attach(session: SandboxSession, client: SandboxClient) -> str:
     """Fork the paused session's sandbox; return the child once its runner answers."""
     child = await session.fork()
-    child_session = SandboxSession(session.settings)
-    child_session.client = session.client
+    child_session = SandboxSession(session.settings, client=client)
     await child_session.attach(child.id)  # proves the forked runner answers
     return child.id
 
@@ -53,10 +53,12 @@ async def fork_and_attach(session: SandboxSession) -> str:
 async def measure(repeat: int, mib: int, batches: int) -> dict[str, list[float]]:
     """Seconds per repeat of each operation: {"pause": [...], "resume": [...], "fork": [...],
     FAN_OUT_NAME: [...]}."""
-    session = SandboxSession(Settings(provider="local", engine_idle_timeout=30))
+    settings = Settings(provider="local", engine_idle_timeout=30)
+    client = await open_client(settings)  # the session closes it at its shutdown
+    session = SandboxSession(settings, client=client)
     await session.start()
-    client, parent = session.client, session.sandbox_id
-    assert client is not None and parent is not None
+    parent = session.sandbox_id
+    assert parent is not None
     try:
         await fill(session, mib)
         rss = (await client.exec(parent, "sh", ["-c", "ps -o rss= -C python3 | sort -n | tail -1"])).result.stdout
@@ -67,7 +69,7 @@ async def measure(repeat: int, mib: int, batches: int) -> dict[str, list[float]]
             await session.pause()
             pauses.append(time.perf_counter() - started)
             started = time.perf_counter()
-            child = await fork_and_attach(session)
+            child = await fork_and_attach(session, client)
             forks.append(time.perf_counter() - started)
             await client.delete_sandbox(child)
             started = time.perf_counter()
@@ -76,7 +78,7 @@ async def measure(repeat: int, mib: int, batches: int) -> dict[str, list[float]]
         for _ in range(batches):
             await session.pause()
             started = time.perf_counter()
-            children = [await fork_and_attach(session) for _ in range(FAN_OUT)]
+            children = [await fork_and_attach(session, client) for _ in range(FAN_OUT)]
             fan_outs.append(time.perf_counter() - started)
             for child in children:
                 await client.delete_sandbox(child)

@@ -68,10 +68,7 @@ def kernelspec(engine: EngineEndpoint, tmp_path_factory: pytest.TempPathFactory)
 def jupyterlab(kernelspec: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     """JupyterLab for the browser tests, which share it (tests/browser_helpers.py says how)."""
     chromium_path()  # skip, not start a server, where no browser could use it
-    settings = Path(tmp_path_factory.mktemp("jupyterlab"))
-    root = settings / "notebooks"
-    root.mkdir()
-    with running_jupyterlab(root, settings) as lab:
+    with running_jupyterlab(tmp_path_factory.mktemp("jupyterlab")) as lab:
         yield lab
 
 

@@ -51,9 +51,8 @@ class Boot:
     async def _start(self) -> None:
         if self.settings is None:
             raise SessionError(self.config_error or "invalid configuration")
-        self.session = SandboxSession(self.settings)
-        self.session.on_background = self.kernel.events.background_event
-        self.session.on_runner_died = self.kernel.shutdown.runner_died_between_cells
+        self.session = SandboxSession(self.settings, on_background=self.kernel.events.background_event,
+                                      on_runner_died=self.kernel.shutdown.runner_died_between_cells)
         handoff = self.kernel.handoff.take()
         if handoff:  # a restart: same sandbox, fresh Python (see hand_off), same shutdown policy and sandboxes
             for sandbox_id in handoff.get("owned", []):

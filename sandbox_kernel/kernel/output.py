@@ -27,7 +27,7 @@ def html_without_math(body: str) -> str:
     return f'<div class="tex2jax_ignore mathjax_ignore">{body}</div>'
 
 
-# A waiting progress line's tick, e.g. "(pausing, 3 s)" (session._settle): worth showing only
+# A waiting progress line's tick, e.g. "(pausing, 3 s)" (SandboxSession.pause): worth showing only
 # where the line updates in place.
 TICK = re.compile(r"\(\w+, \d+ s\)")
 

@@ -112,6 +112,11 @@ def auto_pause_second() -> float:
 # The statuses of a freeze or thaw under way (the engine's pause and resume); not the
 # API's TRANSITIONAL, which has every status that changes on its own.
 FREEZING_OR_THAWING = (SandboxStatus.PAUSING, SandboxStatus.RESUMING)
+# How long a pause or resume request waits for its freeze or thaw before it answers. One
+# done by then (nearly all: a thaw is one write, a freeze well under a millisecond) is
+# answered `paused`/`running`, which spares the client a poll round trip, and its first
+# sleep; a slower one is answered `pausing`/`resuming`, as CreateOS may answer either.
+ANSWER_SETTLED_WITHIN = 0.05
 HEARTBEAT_SECONDS = 5.0  # an idle stream (exec, process connect) gets a heartbeat this often
 
 
@@ -610,7 +615,8 @@ class Engine:
         return sandbox
 
     def pause(self, sandbox_id: str) -> LocalSandbox:
-        """Start pausing (answer `pausing` at once, like CreateOS); a task freezes it."""
+        """Start pausing (status `pausing`, like CreateOS); a task freezes it. The API
+        answers once that is done or a moment has passed (settled_soon)."""
         sandbox = self._settled(sandbox_id, SandboxStatus.RUNNING, "paused")
         self._begin(sandbox, SandboxStatus.PAUSING, self._freeze(sandbox))
         return sandbox
@@ -733,6 +739,14 @@ class Engine:
             sandbox.auto_pause_after_seconds = request.auto_pause_after_seconds
             sandbox.touch()  # the new timeout counts from now
         self._save(sandbox)
+        return sandbox
+
+    async def settled_soon(self, sandbox: LocalSandbox) -> LocalSandbox:
+        """The sandbox once its pause or resume just begun is done, or once
+        ANSWER_SETTLED_WITHIN has passed (the work goes on: a request's end cancels no
+        freeze)."""
+        if sandbox.transition is not None:
+            await asyncio.wait({sandbox.transition}, timeout=ANSWER_SETTLED_WITHIN)
         return sandbox
 
     def _begin(self, sandbox: LocalSandbox, status: SandboxStatus, work) -> None:  # type: ignore[no-untyped-def]

@@ -323,14 +323,15 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     async def patch_sandbox(sandbox_id: str, body: PatchSandboxRequest) -> JSONResponse:
         return jsend(engine.patch(sandbox_id, body).view())
 
-    # Asynchronous like CreateOS: answer `pausing`/`resuming` now; poll GET for the result.
+    # Asynchronous like CreateOS: answer `paused`/`running` if that is done within a moment
+    # (Engine.settled_soon), else `pausing`/`resuming`; poll GET for the result.
     @app.post("/v1/sandboxes/{sandbox_id}/pause")
     async def pause_sandbox(sandbox_id: str) -> JSONResponse:
-        return jsend(engine.pause(sandbox_id).view())
+        return jsend((await engine.settled_soon(engine.pause(sandbox_id))).view())
 
     @app.post("/v1/sandboxes/{sandbox_id}/resume")
     async def resume_sandbox(sandbox_id: str) -> JSONResponse:
-        return jsend(engine.resume(sandbox_id).view())
+        return jsend((await engine.settled_soon(engine.resume(sandbox_id))).view())
 
     # One child per call, answered in `forking`; the source must be paused and stays so.
     @app.post("/v1/sandboxes/{sandbox_id}/fork")

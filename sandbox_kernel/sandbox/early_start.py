@@ -107,7 +107,7 @@ class EarlyStart:
         finally:
             await client.aclose()
         assert session.sandbox_id is not None
-        return Prepared(session.sandbox_id, session.runner_info)
+        return Prepared(session.sandbox_id, dict(session.runner_info))
 
 
 _pending: EarlyStart | None = None

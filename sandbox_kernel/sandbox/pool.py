@@ -30,6 +30,7 @@ but destroys those older than MAX_AGE (nobody claimed them for too long).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -43,7 +44,9 @@ from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandbox_kernel.api import NotFoundError, SandboxAPIError
 from sandbox_kernel.sandbox import ownership
+from sandbox_kernel.sandbox.errors import SessionError
 from sandbox_kernel.guest import bundle
 from sandbox_kernel.config import Settings
 from sandbox_kernel.paths import state_dir, write_private
@@ -132,6 +135,32 @@ class WarmPool:
                 return Member(sandbox_id, created)
         return None
 
+    async def claim_usable(self, take: Callable[[str], Awaitable[None]],
+                           destroy: Callable[[str], Awaitable[None]]) -> str | None:
+        """Claim ready members in turn until `take` drives one; return its id, or None once
+        none is left. A claimed member `take` fails on (destroyed behind our back, say) is
+        destroyed with `destroy`, or, if even that fails, given back: never left without
+        an owner."""
+        tried: set[str] = set()
+        while (member := self.claim(tried)) is not None:  # ours from here on (ownership.py)
+            tried.add(member.sandbox_id)
+            try:
+                await take(member.sandbox_id)
+                return member.sandbox_id
+            except (SessionError, SandboxAPIError, RuntimeError) as exc:
+                log.warning("warm pool sandbox %s is unusable (%s): trying another", member.sandbox_id, exc)
+                await self._drop(member, destroy)
+        return None
+
+    async def _drop(self, member: Member, destroy: Callable[[str], Awaitable[None]]) -> None:
+        try:
+            await destroy(member.sandbox_id)
+        except NotFoundError:  # gone already
+            ownership.forget(member.sandbox_id)
+        except (SandboxAPIError, OSError, RuntimeError) as exc:
+            log.warning("could not destroy warm pool sandbox %s (%s): back to the pool", member.sandbox_id, exc)
+            self.give_back(member)
+
     def give_back(self, member: Member) -> None:
         """A claimed member this kernel could not use, nor destroy: the pool's again (its
         record moves back in one rename), for gc to destroy once stale if nobody can use it."""
@@ -176,6 +205,40 @@ class WarmPool:
             ticket.unlink(missing_ok=True)  # only now: the pool never looks short meanwhile
             made += 1
         return made
+
+
+class Refill:
+    """A kernel's top-up of its warm pool, in the background: begun REFILL_DELAY after the
+    kernel's start, so that its first cells have the CPU before sandboxes are made for others."""
+
+    def __init__(self, warm: WarmPool, make_member: Callable[[], Awaitable[str]]) -> None:
+        """make_member: as for WarmPool.refill. Call on the kernel's event loop."""
+        self._warm = warm
+        self._make_member = make_member
+        self._making = False  # a member is being made: a stop lets it finish
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        await asyncio.sleep(REFILL_DELAY)
+        await self._warm.refill(self._make)
+
+    async def _make(self) -> str:
+        self._making = True
+        try:
+            return await self._make_member()
+        finally:
+            self._making = False
+
+    async def stop(self) -> None:
+        """Before the kernel's client closes: drop a pending top-up, or let a member being made finish."""
+        if self._task.done():
+            return
+        if not self._making:
+            self._task.cancel()
+        # Past this wait the kernel goes anyway; its half-made member stays claimed by
+        # this (then dead) kernel, so `sandbox-kernel gc` destroys it.
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(asyncio.shield(self._task), REFILL_SHUTDOWN_WAIT)
 
 
 def _maker_alive(ticket: Path) -> bool:

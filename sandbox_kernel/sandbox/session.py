@@ -19,7 +19,7 @@ import logging
 import secrets
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -35,15 +35,17 @@ from sandbox_kernel.api import (
     SandboxClient,
     SandboxStatus,
     SandboxView,
+    StatusAck,
     names,
 )
 from sandbox_kernel.config import SHUTDOWN_POLICIES, Settings, open_client
 from sandbox_kernel.guest import bundle as runner_bundle, protocol
 from sandbox_kernel.sandbox import host_pip_settings, ownership, pool, runner_setup, shutdown_policy
-from sandbox_kernel.sandbox.cost import Cost, Meter
+from sandbox_kernel.sandbox.cost import Cost, Meter, PriceBook
 from sandbox_kernel.sandbox.errors import RunnerDied, SessionError
 from sandbox_kernel.sandbox.runner_link import RunnerLink
 from sandbox_kernel.sandbox.runner_setup import RUNNER_DIR
+from sandbox_kernel.sandbox.transfer import Report, Transfer
 from sandbox_kernel.sandbox.transport import EventHandler, RunnerTransportError
 
 __all__ = ["EarlySandbox", "Prepared", "RESTART_HANDOFF_WAIT", "RunnerDied", "SandboxSession", "SessionError"]
@@ -64,11 +66,12 @@ FORK_AUTO_PAUSE = 600
 RESTART_HANDOFF_WAIT = 120.0
 
 # Polling a transition (pause, resume, fork): locally it takes milliseconds, on CreateOS
-# it can take minutes; doubling from 20 ms to 2 s serves both with few requests.
-# A pause or resume on the local engine settles within a millisecond or two, the kernel's
-# wait is most of it: the first look again comes soon, then less and less often (on
-# CreateOS each look is a round trip anyway).
-POLL_FIRST, POLL_MAX, TRANSITION_BUDGET = 0.004, 2.0, 900.0
+# it can take minutes; growing from 4 ms to 2 s serves both with few requests. The first
+# look again comes soon, then less and less often (on CreateOS each look is a round trip
+# anyway). Growing by half each time, not doubling: a look overshoots the transition's end
+# by up to half the time waited so far, not all of it (a local fork of ~150 ms was seen
+# only at ~250 ms when doubling); on CreateOS that costs a few more looks per transition.
+POLL_FIRST, POLL_GROWTH, POLL_MAX, TRANSITION_BUDGET = 0.004, 1.5, 2.0, 900.0
 
 Progress = Callable[[str], None]
 
@@ -96,8 +99,16 @@ class SandboxSession:
     """One notebook's sandbox; see the module docstring."""
 
     def __init__(self, settings: Settings, *, client: SandboxClient | None = None,
-                 open_channel: bool = True, refill_pool: bool = True) -> None:
+                 open_channel: bool = True, refill_pool: bool = True,
+                 on_background: EventHandler | None = None,
+                 on_runner_died: Callable[[RunnerDied], Awaitable[None]] | None = None) -> None:
         """client: the API client to use (else one is opened at start).
+
+        on_background: called with the output the runner sends between cells (a background
+        thread's print): the kernel shows it on the last cell's parent. on_runner_died:
+        called with a runner death the channel learnt with no cell to raise it in (between
+        cells): the kernel ends as for a death in a cell. (The exec fallback learns it at
+        the next cell.)
 
         open_channel=False: the session only prepares a sandbox, its runner serving, for
         another to drive, which opens the channel to the runner on its own event loop (a
@@ -105,50 +116,89 @@ class SandboxSession:
         warm pool is not topped up after a start (the session that takes the sandbox over
         does it).
         """
-        self.settings = settings
-        self.client = client
-        self.sandbox_id: str | None = None
-        self.runner_info: dict[str, Any] = {}
-        self.boot_seconds: float | None = None
+        self._settings = settings
+        self._api = client
+        self._sandbox_id: str | None = None
+        self._runner_info: dict[str, Any] = {}
+        self._boot_seconds: float | None = None
         self._refill_pool = refill_pool
         # How requests reach the runner (runner_link.py).
         self.link = RunnerLink(self._require, settings.output_limit + EVENT_LINE_SLACK, self._background_event,
                                opens_channels=open_channel, on_runner_gone=self._runner_gone)
         # What shutdown does to every sandbox this kernel owns (ownership.py); a sandbox
         # it only attached to is its owner's business.
-        self.on_shutdown = "destroy"
-        self.kept: list[str] = []  # handed off with `%sandbox keep`: listed at shutdown
+        self._on_shutdown = "destroy"
+        self._kept: list[str] = []  # handed off with `%sandbox keep`: listed at shutdown
         # The cost meter, and every sandbox this notebook created, forked or drove.
-        self.meter = Meter()
+        self._meter = Meter()
         self._known: list[str] = []
         # Topping up the warm pool after this kernel claimed from it (pool.py).
-        self._pool_refill: asyncio.Task[None] | None = None
-        self._making_pool_member = False
+        self._pool_refill: pool.Refill | None = None
         # Local engine: the OOM kills seen in each sandbox's view (more later = the memory
         # limit killed something since).
         self._oom_kills: dict[str, int] = {}
-        # Output the runner sends between cells (a background thread's print): the kernel
-        # shows it on the last cell's parent.
-        self.on_background: EventHandler | None = None
-        # A runner death the channel learnt with no cell to raise it in (between cells): the
-        # kernel ends as for a death in a cell. (The exec fallback learns it at the next cell.)
-        self.on_runner_died: Callable[[RunnerDied], Awaitable[None]] | None = None
+        self._on_background = on_background
+        self._on_runner_died = on_runner_died
         # The death being explained (_runner_died): one look at the sandbox per death, which
         # a cell and the channel's news may both ask about.
         self._death: tuple[RunnerTransportError, asyncio.Future[SessionError]] | None = None
         self._death_news: asyncio.Task[None] | None = None  # telling the kernel (held: a task needs a reference)
 
+    # -- what the kernel reads (set only by the session itself) ------------------------------
+
+    @property
+    def settings(self) -> Settings:
+        """What this session makes and drives sandboxes with (the kernel's configuration)."""
+        return self._settings
+
+    @property
+    def sandbox_id(self) -> str | None:
+        """The sandbox this session drives (None before the start, or after a failed one)."""
+        return self._sandbox_id
+
+    @property
+    def runner_info(self) -> Mapping[str, Any]:
+        """What the runner said of itself when this session reached it (python_version, the
+        features it offers)."""
+        return self._runner_info
+
+    @property
+    def boot_seconds(self) -> float | None:
+        """How long the start took (None before it finished)."""
+        return self._boot_seconds
+
+    @property
+    def on_shutdown(self) -> str:
+        """What shutdown does to the sandboxes this kernel owns (set_on_shutdown)."""
+        return self._on_shutdown
+
+    @property
+    def prices(self) -> PriceBook:
+        """The CreateOS prices costs are reckoned in."""
+        return self._meter.prices
+
+    def cost_so_far(self, sandbox_id: str) -> Cost:
+        """What `sandbox_id` has cost, from what this session has seen of it (costs() looks
+        at every sandbox of the notebook again first)."""
+        return self._meter.cost(sandbox_id)
+
+    def transfer(self, report: Report) -> Transfer:
+        """One %upload or %download with this session's sandbox (transfer.py); report hears
+        its progress."""
+        client, sandbox_id = self._require()
+        return Transfer(client, sandbox_id, report)
+
     def keep(self, sandbox_id: str) -> None:
         """Hand a sandbox of this notebook off (`%sandbox keep`): no kernel destroys it, `gc`
         leaves it alone, and shutdown lists it among what outlives the notebook."""
         ownership.keep(sandbox_id)
-        self.kept.append(sandbox_id)
+        self._kept.append(sandbox_id)
 
     def set_on_shutdown(self, policy: str) -> None:
         """What shutdown does to the sandboxes this kernel owns: one of SHUTDOWN_POLICIES."""
         if policy not in SHUTDOWN_POLICIES:
             raise ValueError(f"on-shutdown policy {policy!r} is not one of {', '.join(SHUTDOWN_POLICIES)}")
-        self.on_shutdown = policy
+        self._on_shutdown = policy
 
     # -- start ----------------------------------------------------------------------------
 
@@ -158,42 +208,42 @@ class SandboxSession:
         take over the one `early` made while the kernel started (early_start.py)."""
         started = early.started if early else time.monotonic()
         try:
-            if self.client is None:
-                self.client = await open_client(self.settings)
+            if self._api is None:
+                self._api = await open_client(self._settings)
             if attach_to:  # an id or a name
                 await self.attach((await self.find(attach_to)).id, fresh_runner=fresh_runner)
             elif early is None or not await self._take_over(early):
                 if not await self._start_from_pool():
                     await self._create()
         except SandboxAPIError as exc:
-            raise SessionError(f"could not start a sandbox on {self.settings.description}: "
+            raise SessionError(f"could not start a sandbox on {self._settings.description}: "
                                f"{exc.user_message()}") from None
         except (OSError, RuntimeError) as exc:
-            raise SessionError(f"could not start a sandbox on {self.settings.description}: {exc}") from None
-        self.boot_seconds = time.monotonic() - started
+            raise SessionError(f"could not start a sandbox on {self._settings.description}: {exc}") from None
+        self._boot_seconds = time.monotonic() - started
 
     async def _create(self) -> None:
         client = self._client()
         # Named by us, so that a kernel stopped before the create returns still leaves a
         # trace that shutdown and `gc` can follow to the sandbox (ownership.creating).
-        name = self.settings.name or f"notebook-{secrets.token_hex(4)}"
+        name = self._settings.name or f"notebook-{secrets.token_hex(4)}"
         ownership.creating(name)
-        host_pip = host_pip_settings.for_sandbox(self.settings)  # the host's index and CA bundle, no credential
+        host_pip = host_pip_settings.for_sandbox(self._settings)  # the host's index and CA bundle, no credential
         try:
             created = await client.create_sandbox(
-                CreateSandboxRequest(shape=self.settings.shape, rootfs=self.settings.rootfs, name=name,
-                                     egress=self.settings.egress, disk_mib=self.settings.disk_mib,
+                CreateSandboxRequest(shape=self._settings.shape, rootfs=self._settings.rootfs, name=name,
+                                     egress=self._settings.egress, disk_mib=self._settings.disk_mib,
                                      envs=self._sandbox_envs(host_pip) or None,
-                                     auto_pause_after_seconds=self.settings.auto_pause))
+                                     auto_pause_after_seconds=self._settings.auto_pause))
         except SandboxAPIError as exc:
             if exc.status_code is not None and exc.status_code < 500:  # refused: nothing was made
                 ownership.created(name, None)
-            if isinstance(exc, ConflictError) and self.settings.name:
-                raise SessionError(f"the name {name!r} is taken on {self.settings.description}: "
+            if isinstance(exc, ConflictError) and self._settings.name:
+                raise SessionError(f"the name {name!r} is taken on {self._settings.description}: "
                                    "choose another (SANDBOX_KERNEL_SANDBOX_NAME)") from None
             raise
         ownership.created(name, created.id)
-        self.sandbox_id = created.id
+        self._sandbox_id = created.id
         ownership.drive(created.id)
         await host_pip_settings.upload(client, created.id, host_pip)
         self._track(await client.get_sandbox(created.id))
@@ -202,15 +252,15 @@ class SandboxSession:
     def _sandbox_envs(self, host_pip: host_pip_settings.HostPipSettings) -> dict[str, str]:
         """The environment a new sandbox or fork gets: the host's pip settings, then the
         variables the user hands over (SANDBOX_KERNEL_ENV, a sealed notebook's `env`)."""
-        return {**host_pip.envs, **(self.settings.sandbox_env or {})}
+        return {**host_pip.envs, **(self._settings.sandbox_env or {})}
 
     async def _take_over(self, early: EarlySandbox) -> bool:
         """Drive the sandbox made early, its runner serving (its failure is this start's);
         False if it was made for other settings."""
-        prepared = await early.prepared_for(self.settings)
+        prepared = await early.prepared_for(self._settings)
         if prepared is None:
             return False
-        self.sandbox_id, self.runner_info = prepared.sandbox_id, prepared.runner_info
+        self._sandbox_id, self._runner_info = prepared.sandbox_id, prepared.runner_info
         ownership.drive(prepared.sandbox_id)
         # Together: one round trip (30 ms and more to a provider in the cloud), not two.
         view, _ = await asyncio.gather(self._client().get_sandbox(prepared.sandbox_id), self.link.connect())
@@ -220,68 +270,49 @@ class SandboxSession:
 
     # -- warm pool (pool.py) ----------------------------------------------------------------
 
+    def _warm_pool(self) -> pool.WarmPool | None:
+        """The warm pool for this session's settings, if one is configured (a sandbox given
+        a name is made for it alone)."""
+        if not self._settings.warm_pool or self._settings.name:
+            return None
+        return pool.WarmPool.for_settings(self._settings, self._settings.warm_pool)
+
     async def _start_from_pool(self) -> bool:
         """Start on a ready sandbox of the warm pool, if one is configured; True if we did.
 
         Either way the pool is topped up afterwards, in the background.
         """
-        if not self.settings.warm_pool or self.settings.name:  # a pooled sandbox has its name already
+        warm = self._warm_pool()
+        if warm is None:
             return False
-        warm = pool.WarmPool.for_settings(self.settings, self.settings.warm_pool)
-        tried: set[str] = set()
-        while (member := warm.claim(tried)) is not None:  # ours from here on (ownership.py)
-            tried.add(member.sandbox_id)
-            try:
-                await self._take_member(member.sandbox_id)
-                break
-            except (SessionError, SandboxAPIError, RuntimeError) as exc:  # e.g. destroyed behind our back
-                log.warning("warm pool sandbox %s is unusable (%s): trying another", member.sandbox_id, exc)
-                await self._drop_member(warm, member)
+        taken = await warm.claim_usable(self._take_member, self.destroy)
         self._refill_pool_later()
-        return self.sandbox_id is not None
+        return taken is not None
 
     async def _take_member(self, sandbox_id: str) -> None:
         """Drive a claimed member, with this kernel's auto-pause (the member's was the pool's
         short one); on failure the session is left without it."""
         await self.attach(sandbox_id, fresh_runner=False)
-        auto_pause = self.settings.auto_pause
+        auto_pause = self._settings.auto_pause
         try:
             await self._client().patch_sandbox(sandbox_id, PatchSandboxRequest(disable_auto_pause=True)
                                                if auto_pause is None else
                                                PatchSandboxRequest(auto_pause_after_seconds=auto_pause))
         except BaseException:
-            self.sandbox_id, self.runner_info = None, {}
+            self._sandbox_id, self._runner_info = None, {}
             with contextlib.suppress(Exception):  # its relay: ended with the sandbox if not now
                 await self.link.close(kill=True)
             raise
 
-    async def _drop_member(self, warm: pool.WarmPool, member: pool.Member) -> None:
-        """A claimed member this kernel cannot use is destroyed, or, if even that fails,
-        given back to the pool: never left without an owner."""
-        try:
-            await self.destroy(member.sandbox_id)
-        except NotFoundError:  # gone already
-            ownership.forget(member.sandbox_id)
-        except (SandboxAPIError, OSError, RuntimeError) as exc:
-            log.warning("could not destroy warm pool sandbox %s (%s): back to the pool", member.sandbox_id, exc)
-            warm.give_back(member)
-
     def _refill_pool_later(self) -> None:
         """Top the warm pool up in the background, if one is configured."""
-        if self.settings.warm_pool and not self.settings.name and self._refill_pool:
-            warm = pool.WarmPool.for_settings(self.settings, self.settings.warm_pool)
-            self._pool_refill = asyncio.get_running_loop().create_task(self._refill_later(warm))
-
-    async def _refill_later(self, warm: pool.WarmPool) -> None:
-        # Let this notebook's first cells have the CPU before sandboxes are made for others.
-        await asyncio.sleep(pool.REFILL_DELAY)
-        await warm.refill(self._make_pool_member)
+        if self._refill_pool and (warm := self._warm_pool()) is not None:
+            self._pool_refill = pool.Refill(warm, self._make_pool_member)
 
     async def _make_pool_member(self) -> str:
         """A new sandbox with its runner started, claimed by this kernel until it is pooled."""
-        member = SandboxSession(replace(self.settings, auto_pause=pool.MEMBER_AUTO_PAUSE, warm_pool=0,
+        member = SandboxSession(replace(self._settings, auto_pause=pool.MEMBER_AUTO_PAUSE, warm_pool=0,
                                         name=None), client=self._client(), open_channel=False)
-        self._making_pool_member = True
         try:
             await member._create()
         except BaseException:
@@ -289,22 +320,13 @@ class SandboxSession:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(member.destroy(member.sandbox_id))
             raise
-        finally:
-            self._making_pool_member = False
         assert member.sandbox_id is not None
         return member.sandbox_id
 
     async def _stop_refill(self) -> None:
         """Before the client closes: drop a pending top-up, or let a member being made finish."""
-        task = self._pool_refill
-        if task is None or task.done():
-            return
-        if not self._making_pool_member:
-            task.cancel()
-        # Past this wait the kernel goes anyway; its half-made member stays claimed by
-        # this (then dead) kernel, so `sandbox-kernel gc` destroys it.
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(asyncio.shield(task), pool.REFILL_SHUTDOWN_WAIT)
+        if self._pool_refill is not None:
+            await self._pool_refill.stop()
 
     async def attach(self, sandbox_id: str, fresh_runner: bool = False,
                      progress: Progress | None = None) -> bool:
@@ -318,8 +340,8 @@ class SandboxSession:
         view = self._track(await client.get_sandbox(sandbox_id))
         if not _can_run_cells(view.status):
             raise _cannot_run_cells(view)
-        previous = (self.sandbox_id, self.runner_info)
-        self.sandbox_id = view.id
+        previous = (self._sandbox_id, self._runner_info)
+        self._sandbox_id = view.id
         ownership.use(view.id)
         ownership.drive(view.id)
         try:
@@ -333,22 +355,22 @@ class SandboxSession:
                 # Anything else than a runner's info (the sandbox's code can replace its
                 # client) is no runner this kernel can drive: a new one is started.
                 if "python_version" in info:
-                    self.runner_info = info
+                    self._runner_info = info
                     await self.link.connect()
                     return True
             await self._start_runner()
             return False
         except BaseException:  # a failed attach leaves the notebook on its sandbox
-            self.sandbox_id, self.runner_info = previous
+            self._sandbox_id, self._runner_info = previous
             raise
 
     def other_version_line(self) -> str | None:
         """One line for the user if the runner this session drives was started from another
         bundle than this kernel's (an older sandbox-kernel's runner reports none), else None."""
-        if not self.runner_info or runner_bundle.runs_this_bundle(self.runner_info):
+        if not self._runner_info or runner_bundle.runs_this_bundle(self._runner_info):
             return None
-        return (f"Sandbox {self.sandbox_id} runs a Python runner of another sandbox-kernel version, kept with "
-                f"its variables; `%sandbox attach {self.sandbox_id} --restart-runner` starts this "
+        return (f"Sandbox {self._sandbox_id} runs a Python runner of another sandbox-kernel version, kept with "
+                f"its variables; `%sandbox attach {self._sandbox_id} --restart-runner` starts this "
                 "version's (variables and imports are lost, files are kept)")
 
     async def _start_runner(self, new_sandbox: bool = False) -> None:
@@ -356,7 +378,7 @@ class SandboxSession:
         none in a new_sandbox) and reach it."""
         client, sandbox_id = self._require()
         with self.link.replacing_runner():  # the old runner's end is ours, not a death
-            self.runner_info = await runner_setup.start_runner(client, sandbox_id, new_sandbox)
+            self._runner_info = await runner_setup.start_runner(client, sandbox_id, new_sandbox)
             await self.link.connect()
 
     @property
@@ -368,21 +390,21 @@ class SandboxSession:
         """The engine's count of egress refusals as its stream last said (None: no channel).
         Only a cue to ask (channel.py); it means something only where the engine counts
         refusals at all (its egress view has denied_count: the local engine)."""
-        return self.link.egress_refusals(self.sandbox_id or "")
+        return self.link.egress_refusals(self._sandbox_id or "")
 
     async def _background_event(self, event: dict[str, Any]) -> None:
-        if self.on_background is not None:
-            await self.on_background(event)
+        if self._on_background is not None:
+            await self._on_background(event)
 
     def _require(self) -> tuple[SandboxClient, str]:
-        if self.sandbox_id is None:
+        if self._sandbox_id is None:
             raise SessionError("no sandbox: the session has not started")
-        return self._client(), self.sandbox_id
+        return self._client(), self._sandbox_id
 
     def _client(self) -> SandboxClient:
-        if self.client is None:
+        if self._api is None:
             raise SessionError("no sandbox: the session has not started")
-        return self.client
+        return self._api
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -396,7 +418,7 @@ class SandboxSession:
             self._known.append(view.id)
         if view.oom_kills is not None:
             self._oom_kills[view.id] = view.oom_kills
-        self.meter.observe(view)
+        self._meter.observe(view)
         return view
 
     async def costs(self) -> list[Cost]:
@@ -406,8 +428,8 @@ class SandboxSession:
             try:
                 self._track(await client.get_sandbox(sandbox_id))
             except NotFoundError:  # CreateOS may forget a destroyed sandbox
-                self.meter.note_gone(sandbox_id)
-        return [self.meter.cost(sandbox_id) for sandbox_id in self._known]
+                self._meter.note_gone(sandbox_id)
+        return [self._meter.cost(sandbox_id) for sandbox_id in self._known]
 
     async def list_sandboxes(self) -> list[SandboxView]:
         return await self._client().list_sandboxes()
@@ -429,12 +451,33 @@ class SandboxSession:
 
     async def pause(self, progress: Progress | None = None) -> SandboxView:
         client, sandbox_id = self._require()
-        await client.pause_sandbox(sandbox_id)
-        return await self._settle(sandbox_id, SandboxStatus.PAUSED, progress)
+        answer = self._settled_answer(await client.pause_sandbox(sandbox_id), SandboxStatus.PAUSED)
+        return answer or await self._settle(sandbox_id, SandboxStatus.PAUSED, progress)
 
     async def resume(self, progress: Progress | None = None) -> SandboxView:
-        """`%sandbox resume`: wake this sandbox (one running already is refused)."""
-        return await self._wake(progress, refuse_running=True)
+        """`%sandbox resume`: wake this sandbox (one running already is refused).
+
+        Asked at once, without a look first: a sandbox that is not paused answers 409
+        and changes nothing (§4.2), and is then looked at: refused if running, else waited
+        for and woken as _wake does."""
+        client, sandbox_id = self._require()
+        try:
+            answer = await client.resume_sandbox(sandbox_id)
+        except ConflictError:
+            return await self._wake(progress, refuse_running=True)
+        view = self._settled_answer(answer, SandboxStatus.RUNNING)
+        if view is None:  # resuming: it runs soon, and must not be refused for that
+            return await self._wake(progress)
+        await self.link.sandbox_resumed(sandbox_id)
+        return view
+
+    def _settled_answer(self, answer: SandboxView | StatusAck, target: SandboxStatus) -> SandboxView | None:
+        """The view a pause or resume was answered with, if it is already `target` (the
+        local engine answers so once its freeze or thaw is done): no poll is needed then.
+        None for a transition under way, or a bare {id, status} (a full view is wanted)."""
+        if isinstance(answer, SandboxView) and answer.status == target:
+            return self._track(answer)
+        return None
 
     async def _wake(self, progress: Progress | None = None, refuse_running: bool = False) -> SandboxView:
         """Bring this sandbox to running, whatever transition it is in: CreateOS answers a
@@ -453,7 +496,11 @@ class SandboxSession:
                     break
                 if view.status == SandboxStatus.PAUSED:
                     with contextlib.suppress(ConflictError):  # still busy: a fork of it under way
-                        await client.resume_sandbox(sandbox_id)
+                        answer = self._settled_answer(await client.resume_sandbox(sandbox_id),
+                                                      SandboxStatus.RUNNING)
+                        if answer is not None:
+                            view = answer
+                            break
         await self.link.sandbox_resumed(sandbox_id)
         return view
 
@@ -468,10 +515,10 @@ class SandboxSession:
         client, sandbox_id = self._require()
         source = await self.view()
         try:
-            envs = names.fork_envs(source, name, self._sandbox_envs(host_pip_settings.for_sandbox(self.settings)))
+            envs = names.fork_envs(source, name, self._sandbox_envs(host_pip_settings.for_sandbox(self._settings)))
             if name and (holder := names.taken_by(await client.list_sandboxes(), names.checked(name))):
                 raise SessionError(f"the name {name!r} is taken by sandbox {holder.id} on "
-                                   f"{self.settings.description}: choose another")
+                                   f"{self._settings.description}: choose another")
         except names.SandboxNameError as exc:
             raise SessionError(str(exc)) from None
         if source.status != SandboxStatus.PAUSED:
@@ -483,32 +530,33 @@ class SandboxSession:
         view = await self._settle(child.id, SandboxStatus.RUNNING, progress)
         if view.auto_pause_after_seconds is None:
             view = self._track(await client.patch_sandbox(view.id, PatchSandboxRequest(
-                auto_pause_after_seconds=self.settings.auto_pause or FORK_AUTO_PAUSE)))
+                auto_pause_after_seconds=self._settings.auto_pause or FORK_AUTO_PAUSE)))
         return view
 
     async def observe(self, ref: str) -> SandboxView:
         """Follow the sandbox `ref` (an id or a name) that another kernel drives, starting no
         runner and recording no use: for pausing, forking and destroying its forks (a sweep
         from the command line forks the sandbox its setup kernel made)."""
-        if self.client is None:
-            self.client = await open_client(self.settings)
+        if self._api is None:
+            self._api = await open_client(self._settings)
         view = await self.find(ref)
-        self.sandbox_id = view.id
+        self._sandbox_id = view.id
         return view
 
     async def close(self) -> None:
-        """Close the client of a session that only observed (observe): nothing is owned or used."""
-        if self.client is not None:
-            await self.client.aclose()
-            self.client = None
+        """Close the API client, and nothing else: for a session that only observed (observe),
+        which owns and uses nothing."""
+        if self._api is not None:
+            await self._api.aclose()
+            self._api = None
 
     async def release(self) -> None:
         """Let go of the sandbox this session drives, doing nothing to it (a branch of
         `%sandbox sweep`, whose fork the sweep destroys): the runner link and the client close."""
         self.link.begin_closing()
         await self.link.close(kill=False)
-        if self.sandbox_id:
-            ownership.stop_using(self.sandbox_id)
+        if self._sandbox_id:
+            ownership.stop_using(self._sandbox_id)
         await self.close()
 
     async def find(self, ref: str) -> SandboxView:
@@ -517,11 +565,11 @@ class SandboxSession:
         try:
             # Not listed (destroyed, say): its id may still answer, with its state.
             return self._track(await self._client().get_sandbox(ref)) if not found else \
-                names.resolve(found, ref, self.settings.description)
+                names.resolve(found, ref, self._settings.description)
         except names.SandboxNameError as exc:
             raise SessionError(str(exc)) from None
         except NotFoundError:
-            raise SessionError(f"no sandbox with id or name {ref!r} on {self.settings.description}") from None
+            raise SessionError(f"no sandbox with id or name {ref!r} on {self._settings.description}") from None
 
     async def _settle(self, sandbox_id: str, target: SandboxStatus,
                       progress: Progress | None) -> SandboxView:
@@ -550,7 +598,7 @@ class SandboxSession:
             if progress:
                 progress(f"({view.status.value}, {waited:.0f} s)")
             await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX)
+            delay = min(delay * POLL_GROWTH, POLL_MAX)
 
     # -- cells ----------------------------------------------------------------------------
 
@@ -591,8 +639,8 @@ class SandboxSession:
         request: dict[str, Any] = {**fields, protocol.CELL_ID: cell_id, "silent": silent,
                                    "store_history": store_history,
                                    # the runner caps and paces the cell's output with these
-                                   "output_limit": self.settings.output_limit,
-                                   "output_rate": self.settings.output_rate}
+                                   "output_limit": self._settings.output_limit,
+                                   "output_rate": self._settings.output_rate}
         if execution_count is not None:
             request["execution_count"] = execution_count
         if len(code.encode()) > MAX_INLINE_CODE:
@@ -628,8 +676,8 @@ class SandboxSession:
         except (SandboxAPIError, SessionError, OSError) as exc:  # the next request says it
             log.warning("the runner died, and why is not known: %s", exc)
             return
-        if isinstance(error, RunnerDied) and self.on_runner_died is not None:
-            await self.on_runner_died(error)
+        if isinstance(error, RunnerDied) and self._on_runner_died is not None:
+            await self._on_runner_died(error)
 
     async def _runner_died(self, exc: RunnerTransportError) -> SessionError:
         """Why the runner died (once per death, however many ask), as a RunnerDied for the
@@ -696,27 +744,27 @@ class SandboxSession:
 
     async def destroy(self, sandbox_id: str) -> None:
         await self._client().delete_sandbox(sandbox_id)
-        self.meter.note_gone(sandbox_id)
+        self._meter.note_gone(sandbox_id)
         ownership.forget(sandbox_id)
 
     async def shutdown(self, policy: str | None = None) -> list[shutdown_policy.Kept]:
         """Close the session, applying `policy` (or on_shutdown) to every sandbox this
         kernel owns; return those kept (shutdown_policy.py)."""
-        if self.client is None:
+        if self._api is None:
             return []
         self.link.begin_closing()
         await self._stop_refill()
-        policy = policy or self.on_shutdown
+        policy = policy or self._on_shutdown
         # A sandbox that outlives the kernel keeps no relay of ours (the next kernel starts its own).
         await self.link.close(kill=policy != "destroy")
         try:
-            return await shutdown_policy.apply_policy(self.client, policy,
-                                                      self.meter.prices, self.kept)
+            return await shutdown_policy.apply_policy(self._api, policy,
+                                                      self._meter.prices, self._kept)
         finally:
             for sandbox_id in self._known:
                 ownership.stop_using(sandbox_id)
-            await self.client.aclose()
-            self.client = None
+            await self._api.aclose()
+            self._api = None
 
     async def close_for_restart(self) -> list[str]:
         """A kernel restart: everything this kernel owns waits for its successor (which
@@ -725,7 +773,7 @@ class SandboxSession:
         under `pause` or `keep` they are kept at once (running: the successor needs them so,
         and their auto-pause pauses them), under `destroy` they become orphans for `gc`."""
         owned = ownership.owned_here()
-        if self.on_shutdown == "destroy":
+        if self._on_shutdown == "destroy":
             ownership.await_successor(owned, RESTART_HANDOFF_WAIT)
         else:
             for sandbox_id in owned:
@@ -733,9 +781,9 @@ class SandboxSession:
         self.link.begin_closing()
         await self._stop_refill()
         await self.link.close(kill=False)  # the successor's new runner ends it
-        if self.client is not None:
-            await self.client.aclose()
-            self.client = None
+        if self._api is not None:
+            await self._api.aclose()
+            self._api = None
         return owned
 
 

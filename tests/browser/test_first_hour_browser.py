@@ -61,10 +61,7 @@ def lab_with_an_index(kernelspec: str, tmp_path: Path) -> Iterator[tuple[Lab, st
     with serving_index(tmp_path / "index") as alias_url:
         host_url = alias_url.replace(HOST_ALIAS, "127.0.0.1")  # as the host's pip knows it
         port = host_url.split(":")[2].split("/")[0]
-        root = tmp_path / "notebooks"
-        root.mkdir()
-        with running_jupyterlab(root, tmp_path / "lab",
-                                {"PIP_INDEX_URL": host_url, "PIP_CONFIG_FILE": os.devnull}) as lab:
+        with running_jupyterlab(tmp_path / "lab", {"PIP_INDEX_URL": host_url, "PIP_CONFIG_FILE": os.devnull}) as lab:
             yield lab, port
 
 

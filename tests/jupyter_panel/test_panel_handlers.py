@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,10 +27,7 @@ ROUTES = [("GET", "sandboxes"), ("POST", "sandboxes/SB/pause"), ("POST", "sandbo
 
 @pytest.fixture(scope="module")
 def lab(kernelspec: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    settings = Path(tmp_path_factory.mktemp("panel-lab"))
-    root = settings / "notebooks"
-    root.mkdir()
-    with running_jupyterlab(root, settings) as running:
+    with running_jupyterlab(tmp_path_factory.mktemp("panel-lab")) as running:
         yield running
 
 

@@ -140,8 +140,7 @@ async def claim(engine: EngineEndpoint, plan: Plan) -> SandboxSession:
 
 async def close(session: SandboxSession) -> None:
     await session.link.close(kill=False)
-    assert session.client is not None
-    await session.client.aclose()
+    await session.close()
 
 
 @pytest.mark.timeout(1200)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel.config import Settings
+from sandbox_kernel.config import Settings, open_client
 from sandbox_kernel.guest import protocol
 from sandbox_kernel.local.service import EngineEndpoint
 from sandbox_kernel.sandbox.exec_transport import ExecStreaming
@@ -54,15 +54,17 @@ async def _no_background(event: dict[str, Any]) -> None:
 async def test_both_transports_reach_one_runner_and_say_its_death_the_same_way(
         engine: EngineEndpoint, killed_through: str) -> None:
     settings = Settings.from_env()
-    # A real sandbox with its runner serving; the session opens no transport of its own.
-    session = SandboxSession(settings, open_channel=False, refill_pool=False)
+    # A real sandbox with its runner serving; the session opens no transport of its own
+    # (and closes the client at its shutdown).
+    client = await open_client(settings)
+    session = SandboxSession(settings, client=client, open_channel=False, refill_pool=False)
     await session.start()
-    assert session.client is not None and session.sandbox_id is not None
-    channel = channel_to(session.client, session.sandbox_id, LINE_LIMIT, _no_background)
+    assert session.sandbox_id is not None
+    channel = channel_to(client, session.sandbox_id, LINE_LIMIT, _no_background)
     try:
         await channel.open()
         transports: dict[str, RunnerTransport] = {
-            "channel": channel, "execs": execs_to(session.client, session.sandbox_id, LINE_LIMIT, ExecStreaming())}
+            "channel": channel, "execs": execs_to(client, session.sandbox_id, LINE_LIMIT, ExecStreaming())}
         cells = Cells(settings)
 
         # One runner behind both: a variable set through one is read through the other.

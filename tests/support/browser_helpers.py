@@ -71,9 +71,12 @@ class Lab:
 
 
 @contextlib.contextmanager
-def running_jupyterlab(root: Path, settings: Path, extra_env: Mapping[str, str] | None = None) -> Iterator[Lab]:
-    """JupyterLab serving `root` on loopback (random port, random token), with `extra_env`
-    added to this process's environment (its kernels inherit it)."""
+def running_jupyterlab(settings: Path, extra_env: Mapping[str, str] | None = None) -> Iterator[Lab]:
+    """JupyterLab serving `settings`/notebooks (made here) on loopback (random port, random
+    token), its own state in `settings`, with `extra_env` added to this process's environment
+    (its kernels inherit it)."""
+    root = settings / "notebooks"
+    root.mkdir(parents=True)
     token, port = secrets.token_hex(16), free_port()
     # Private settings and workspaces, so no Lab state from outside the test run leaks in.
     env = {**os.environ, **(extra_env or {}), "JUPYTERLAB_SETTINGS_DIR": str(settings / "settings"),

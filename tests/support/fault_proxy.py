@@ -6,7 +6,8 @@ creations with `create_replies` (401, 402, 429, 503...), one each, then lets the
 Armed with `fail_buffered_execs`, it answers chosen buffered (non-streaming) execs with a
 502, either before forwarding them or after the engine has run them, as a gateway that
 gives up on a long-held request does. With `hold_status` = (real, shown), sandbox views
-say `shown` where the engine says `real`, as a CreateOS transition taking minutes looks.
+(and the answers to pause and resume) say `shown` where the engine says `real`, as a
+CreateOS transition taking minutes looks.
 With `hold_transition(id, shown)`, one sandbox looks stuck in a transition (`pausing`,
 `resuming`, `forking`), as a large CreateOS VM is for seconds, until `release()`: its views
 say `shown`, and every change asked of it (resume, exec, process input, upload...) is
@@ -37,7 +38,10 @@ import pytest
 
 from sandbox_kernel.local.service import EngineEndpoint
 
-VIEW_REQUEST = re.compile(rb"GET /v1/sandboxes/[^/?\s]+ HTTP/1.1$")
+# A request answered with one sandbox's view: a GET of it, or a pause or resume (the local
+# engine answers those `paused`/`running` once done; CreateOS, whose transitions the
+# proxy shows, mostly `pausing`/`resuming`).
+VIEW_REQUEST = re.compile(rb"(GET /v1/sandboxes/[^/?\s]+|POST /v1/sandboxes/[^/?\s]+/(pause|resume)) HTTP/1.1$")
 # A request about one sandbox: its method, the sandbox's id, and the rest of its path.
 SANDBOX_REQUEST = re.compile(rb"([A-Z]+) /v1/sandboxes/([^/?\s]+)(\S*) HTTP/1.1$")
 DESTROY_REQUEST = re.compile(rb"DELETE /v1/sandboxes/[^/?\s]+ HTTP/1.1$")

@@ -14,7 +14,6 @@ from sandbox_kernel.sandbox.transfer import (
     CHUNK,
     MAX_FILE,
     WORKSPACE,
-    Transfer,
     TransferError,
     describe_size,
     host_path,
@@ -54,8 +53,7 @@ class FileMagics(MagicFamily):
         source_text, target_text = source.text, target.text if target else None
         await self._running()
         line_out = self.out.progress(f"{'Uploading' if upload else 'Downloading'} {source_text}…")
-        assert self.session.client is not None and self.session.sandbox_id is not None  # started
-        work = Transfer(self.session.client, self.session.sandbox_id, line_out)
+        work = self.session.transfer(line_out)
         try:
             if upload:
                 done = await work.upload(host_path(source_text), sandbox_path(target_text or name))

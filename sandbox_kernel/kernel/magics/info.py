@@ -46,7 +46,7 @@ class InfoMagics(MagicFamily):
 
     async def status(self, _: argparse.Namespace) -> None:
         view = await self.session.view()
-        cost = self.session.meter.cost(view.id)
+        cost = self.session.cost_so_far(view.id)
         policy = (self.session.on_shutdown if ownership.owns(view.id)
                   else "keep (not this notebook's: it was attached or kept)")
         egress = (await self.session.get_egress()).egress or []
@@ -60,7 +60,7 @@ class InfoMagics(MagicFamily):
         rows = [(c.sandbox_id + (" (this notebook)" if c.sandbox_id == self.session.sandbox_id else ""),
                  describe_cost(c)) for c in costs]
         rows.append(("total", f"${sum(c.total for c in costs):.4f}"))
-        book = self.session.meter.prices
+        book = self.session.prices
         rows.append(("prices", f"CreateOS, {book.dated}: ${book.vcpu_hour}/vCPU-h running, "
                                f"${book.memory_gib_hour}/GiB-h memory running or paused, "
                                f"${book.storage_gb_hour}/GB-h disk"))
