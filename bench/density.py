@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from common import PLAIN, SANDBOX, BenchEnv, Row, kernels, ms, run_cell
-from memory import command_line, pss_bytes, sandbox_processes
+from memory import ROLES, process_role, pss_bytes, sandbox_processes
 
 MIB = 2**20
 SETTLE = 3.0  # seconds of idleness before memory is read
@@ -41,7 +41,7 @@ class Side:
     latencies: list[float] = field(default_factory=list)  # of answered cells, seconds
     kernel_pss: list[int] = field(default_factory=list)  # each kernel's own process
     sandbox_pss: list[int] = field(default_factory=list)  # each sandbox's processes
-    runner_pss: list[int] = field(default_factory=list)
+    role_pss: dict[str, list[int]] = field(default_factory=dict)  # memory.ROLES -> each sandbox's
     engine_pss: int = 0
 
 
@@ -82,8 +82,9 @@ async def _run_side(name: str, env: BenchEnv, count: int, interval: float, secon
         if name == SANDBOX:
             processes = [sandbox_processes(sandbox_id) for sandbox_id in ids]
             side.sandbox_pss = [sum(pss_bytes(pid) for pid in pids) for pids in processes]
-            side.runner_pss = [sum(pss_bytes(pid) for pid in pids if "runner.py serve" in command_line(pid))
-                               for pids in processes]
+            roles = [[(process_role(pid), pss_bytes(pid)) for pid in pids] for pids in processes]
+            side.role_pss = {role: [sum(size for of, size in sandbox if of == role) for sandbox in roles]
+                             for role in ROLES}
             side.engine_pss = pss_bytes(env.engine_pid or 0)
     return side
 
@@ -117,10 +118,15 @@ async def measure(env: BenchEnv, count: int, interval: float, seconds: float) ->
                       [size / MIB for size in plain.kernel_pss], "<= 40 MB")
     per_sandbox.met = statistics.median(per_sandbox.sandbox) * MIB <= 40e6
     runner = Row("of which the runner (Python + IPython holding the notebook's globals)", "MiB",
-                 [size / MIB for size in sandbox.runner_pss])
+                 [size / MIB for size in sandbox.role_pss["runner"]])
+    agent = Row("of which the agent (the local engine's, in every sandbox)", "MiB",
+                [size / MIB for size in sandbox.role_pss["agent"]])
+    helpers = Row("of which the runner's warden and the kernel's relay (a bare Python each)", "MiB",
+                  [(warden + relay) / MIB for warden, relay in zip(sandbox.role_pss["warden"],
+                                                                   sandbox.role_pss["relay"])])
     host = Row("memory of the sandbox kernel's own process on the host, PSS (vs plain ipykernel)",
                "MiB", [size / MIB for size in sandbox.kernel_pss], [size / MIB for size in plain.kernel_pss])
     engine = Row(f"memory of the local engine, PSS (one process for all {count} sandboxes)", "MiB",
                  [sandbox.engine_pss / MIB])
-    return [cells, notebook, per_sandbox, runner, host, engine]
+    return [cells, notebook, per_sandbox, runner, agent, helpers, host, engine]
 

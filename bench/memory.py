@@ -32,6 +32,30 @@ def command_line(pid: int) -> str:
     return ""
 
 
+ROLES = ("bwrap", "agent", "warden", "runner", "relay")
+
+
+def process_role(pid: int) -> str:
+    """What a local sandbox's process is, from its command line: one of ROLES (the warden is
+    the runner's parent, guest/runner/warden.py; the relay is `client.py channel`, the
+    kernel's connection to the runner), or "other" (what the user started)."""
+    words = command_line(pid).split()
+    names = [os.path.basename(word) for word in words]
+    if not words:
+        return "other"
+    if names[0] == "bwrap":
+        return "bwrap"
+    if "run_agent.py" in names:
+        return "agent"
+    if "warden.py" in names:
+        return "warden"
+    if "client.py" in names and "channel" in words:
+        return "relay"
+    if any(name == "runner" and following == "serve" for name, following in zip(names, words[1:])):
+        return "runner"
+    return "other"
+
+
 def _parent_and_name(pid: int) -> tuple[int, str]:
     stat = Path(f"/proc/{pid}/stat").read_text()
     name = stat[stat.index("(") + 1:stat.rindex(")")]

@@ -700,3 +700,17 @@ def test_edit_tells_the_frontend_which_file_to_open(ipython_daemon):
     assert payload["source"] == "edit_magic" and payload["filename"].endswith("/edited.py")
     assert events[-1]["status"] == "ok" and not of_type(events, "error")
     assert ipython_daemon.run("%ed edited.py")[-1]["payload"][0]["source"] == "edit_magic"
+
+
+@pytest.mark.parametrize("first_import", ["import pdb", "from IPython.core import debugger"])
+def test_pdb_is_ipythons_interruptible_one_from_its_first_import(first_import):
+    """Loaded when a cell first imports it (an idle runner has neither module: memory), and
+    then pdb's debugger is IPython's that an interrupt ends, whichever was imported first."""
+    daemon = Daemon(plain=False)
+    try:
+        loaded = "print([name for name in ('pdb', 'IPython.core.debugger') if name in sys.modules])"
+        assert stdout_of(daemon.run("import sys\n" + loaded)) == "[]\n"
+        events = daemon.run(first_import + "\nimport pdb\nprint(pdb.Pdb.__name__, pdb.set_trace.__module__)")
+        assert stdout_of(events) == "InterruptiblePdb IPython.core.debugger\n", events
+    finally:
+        daemon.stop()

@@ -40,7 +40,6 @@ import functools
 import itertools
 import json
 import os
-import secrets
 import signal
 import struct
 import subprocess
@@ -120,7 +119,9 @@ class OutputWindow:
 class ManagedProcess:
     def __init__(self, kind: str, cmd: str, args: list, cwd: str, popen: subprocess.Popen,
                  outputs: dict, stdin_fd: int | None, master_fd: int | None) -> None:
-        self.id = "proc-" + secrets.token_hex(8)
+        # secrets.token_hex(8) is os.urandom(8).hex(); the secrets module would also load
+        # hashlib (OpenSSL) and random into every sandbox's agent.
+        self.id = "proc-" + os.urandom(8).hex()
         self.kind, self.cmd, self.args, self.cwd = kind, cmd, args, cwd
         self.popen = popen
         self.pid = popen.pid

@@ -13,7 +13,6 @@ import io
 import linecache
 import os
 import re
-import rlcompleter
 import sys
 import tokenize
 import traceback
@@ -166,6 +165,10 @@ class PlainEngine:
         text = code[start:cursor_pos]
         matches: list[str] = []
         if text:  # rlcompleter answers a tab character for empty text
+            # Imported on first use: it loads readline too, which the IPython engine (that
+            # imports this module) never needs.
+            import rlcompleter
+
             completer = rlcompleter.Completer(self.namespace)
             try:
                 for state in range(10000):
