@@ -472,8 +472,8 @@ class SandboxSession:
         return view
 
     def _settled_answer(self, answer: SandboxView | StatusAck, target: SandboxStatus) -> SandboxView | None:
-        """The view a pause or resume was answered with, if it is already `target` (the
-        local engine answers so once its freeze or thaw is done): no poll is needed then.
+        """The view a pause, resume or fork was answered with, if it is already `target` (the
+        local engine answers so once its freeze, thaw or fork is done): no poll is needed then.
         None for a transition under way, or a bare {id, status} (a full view is wanted)."""
         if isinstance(answer, SandboxView) and answer.status == target:
             return self._track(answer)
@@ -527,7 +527,8 @@ class SandboxSession:
             await self.pause(progress)
         child = await client.fork_sandbox(sandbox_id, ForkSandboxRequest(envs=envs))
         ownership.own(child.id, owner)  # at once: a kernel killed now leaves it to gc, not to nobody
-        view = await self._settle(child.id, SandboxStatus.RUNNING, progress)
+        view = (self._settled_answer(child, SandboxStatus.RUNNING)
+                or await self._settle(child.id, SandboxStatus.RUNNING, progress))
         if view.auto_pause_after_seconds is None:
             view = self._track(await client.patch_sandbox(view.id, PatchSandboxRequest(
                 auto_pause_after_seconds=self._settings.auto_pause or FORK_AUTO_PAUSE)))
