@@ -16,6 +16,7 @@ sandbox, so that switching back and forth does not pile relays up to the pids li
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from enum import Enum
 from typing import Any
 
 from sandbox_kernel.api import SandboxClient
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.sandbox.channel import ChannelUnavailable, RunnerChannel, SandboxProcesses
 from sandbox_kernel.sandbox.errors import SessionError
 from sandbox_kernel.sandbox.exec_transport import ExecStreaming, ExecTransport
@@ -49,6 +51,23 @@ def execs_to(client: SandboxClient, sandbox_id: str, line_limit: int, streaming:
     """The exec transport to the runner serving in `sandbox_id`."""
     return ExecTransport(client, sandbox_id, SANDBOX_PYTHON,
                          lambda command, arg: runner_client(command, RUNNER_DIR, arg), line_limit, streaming)
+
+
+def is_runner_info(info: dict[str, Any]) -> bool:
+    """Is this answer to an info request a runner's info? Anything else (the sandbox's code
+    can replace the runner's client) is no runner this kernel can drive."""
+    return "python_version" in info
+
+
+async def _discard(opening: asyncio.Future[tuple[RunnerChannel, str] | None] | None) -> None:
+    """Close the channel `opening` makes, once made (cancelled half-way, its relay might be
+    left running unknown to us); its failure to open is nobody's news."""
+    if opening is None:
+        return
+    with contextlib.suppress(Exception):
+        opened = await opening
+        if opened is not None:
+            await opened[0].close()
 
 
 class ManagedProcesses(Enum):
@@ -102,21 +121,60 @@ class RunnerLink:
         saw up to it), unless the provider has no managed processes."""
         if not self._opens_channels or self._processes is ManagedProcesses.MISSING:
             return
+        opened = await self._open_channel(background_seq)
+        if opened is not None:
+            await self._use(*opened)
+
+    async def serving_runner_info(self) -> dict[str, Any] | None:
+        """The info of a runner already serving in the current sandbox, now reached as by
+        connect; None if nothing there answers as one (no runner, or the sandbox's code put
+        something else in its client's place): no channel of ours is left then, and its
+        relay's end is no runner death for on_runner_gone.
+
+        The info is asked by exec while the channel opens beside it, not before: an
+        attach (a fork's above all) waits for the longer of the two, not for both. A
+        failure of either is the attach's, as when they ran one after the other."""
+        opening = (asyncio.ensure_future(self._open_channel())
+                   if self._opens_channels and self._processes is not ManagedProcesses.MISSING else None)
+        try:
+            try:
+                info = await self.by_exec().request({protocol.OP: protocol.INFO})
+            except RunnerTransportError:  # no answer, or one that is not JSON
+                info = {}
+        except BaseException:
+            await _discard(opening)
+            raise
+        if not is_runner_info(info):
+            await _discard(opening)
+            return None
+        opened = await opening if opening is not None else None
+        if opened is not None:
+            await self._use(*opened)
+        return info
+
+    async def _open_channel(self, background_seq: int = 0) -> tuple[RunnerChannel, str] | None:
+        """A channel opened to the current sandbox (not yet the link's), with that sandbox's
+        id; None if the provider turns out to have no managed processes."""
         client, sandbox_id = self._where()
         channel = channel_to(client, sandbox_id, self._line_limit, self._on_background, background_seq)
         channel.on_runner_gone = lambda failure: self._runner_gone(channel, failure)  # knows its channel
         try:
             await channel.open()
-            if self._closing:
-                await channel.close()
-                raise SessionError("the kernel is shutting down")
         except ChannelUnavailable as exc:
             if self._processes is ManagedProcesses.AVAILABLE:
                 raise RuntimeError(f"the runner's channel could not start: {exc}") from None
             log.warning("no managed processes (%s): one exec per cell", exc)
             self._processes = ManagedProcesses.MISSING
-            return
+            return None
         self._processes = ManagedProcesses.AVAILABLE
+        return channel, sandbox_id
+
+    async def _use(self, channel: RunnerChannel, sandbox_id: str) -> None:
+        """From now on requests go over `channel`, to the runner in `sandbox_id`; the channel
+        it replaces is closed (or left to close once its paused sandbox runs again)."""
+        if self._closing:
+            await channel.close()
+            raise SessionError("the kernel is shutting down")
         old, old_sandbox = self._channel, self._channel_sandbox
         self._channel, self._channel_sandbox = channel, sandbox_id
         if old is not None and not await old.close():

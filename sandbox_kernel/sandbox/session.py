@@ -348,17 +348,11 @@ class SandboxSession:
             if view.status != SandboxStatus.RUNNING:
                 await self._wake(progress)
             if not fresh_runner:
-                try:
-                    info = await self.link.by_exec().request({protocol.OP: protocol.INFO})
-                except RunnerTransportError:  # no answer, or one that is not JSON
-                    info = {}
-                # Anything else than a runner's info (the sandbox's code can replace its
-                # client) is no runner this kernel can drive: a new one is started.
-                if "python_version" in info:
+                info = await self.link.serving_runner_info()
+                if info is not None:
                     self._runner_info = info
-                    await self.link.connect()
                     return True
-            await self._start_runner()
+            await self._start_runner()  # none there, or none this kernel can drive
             return False
         except BaseException:  # a failed attach leaves the notebook on its sandbox
             self._sandbox_id, self._runner_info = previous
