@@ -16,7 +16,6 @@ sandbox, so that switching back and forth does not pile relays up to the pids li
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
@@ -57,17 +56,6 @@ def is_runner_info(info: dict[str, Any]) -> bool:
     """Is this answer to an info request a runner's info? Anything else (the sandbox's code
     can replace the runner's client) is no runner this kernel can drive."""
     return "python_version" in info
-
-
-async def _discard(opening: asyncio.Future[tuple[RunnerChannel, str] | None] | None) -> None:
-    """Close the channel `opening` makes, once made (cancelled half-way, its relay might be
-    left running unknown to us); its failure to open is nobody's news."""
-    if opening is None:
-        return
-    with contextlib.suppress(Exception):
-        opened = await opening
-        if opened is not None:
-            await opened[0].close()
 
 
 class ManagedProcesses(Enum):
@@ -131,25 +119,40 @@ class RunnerLink:
         something else in its client's place): no channel of ours is left then, and its
         relay's end is no runner death for on_runner_gone.
 
-        The info is asked by exec while the channel opens beside it, not before: an
-        attach (a fork's above all) waits for the longer of the two, not for both. A
-        failure of either is the attach's, as when they ran one after the other."""
-        opening = (asyncio.ensure_future(self._open_channel())
-                   if self._opens_channels and self._processes is not ManagedProcesses.MISSING else None)
+        Asked over the channel it will go on using: one Python started in the sandbox, where
+        an exec asking first and then the channel started two (a fork's attach waits for
+        them). By exec where no channel can open."""
+        if self._opens_channels and self._processes is not ManagedProcesses.MISSING:
+            opened = await self._open_channel()
+            if opened is not None:
+                return await self._info_over(*opened)
         try:
-            try:
-                info = await self.by_exec().request({protocol.OP: protocol.INFO})
-            except RunnerTransportError:  # no answer, or one that is not JSON
-                info = {}
+            info = await self.by_exec().request({protocol.OP: protocol.INFO})
+        except RunnerTransportError:  # no answer, or one that is not JSON
+            return None
+        return info if is_runner_info(info) else None
+
+    async def _info_over(self, channel: RunnerChannel, sandbox_id: str) -> dict[str, Any] | None:
+        """serving_runner_info over a channel just opened, which becomes the link's if a
+        runner answers. No runner is a relay's verdict (the daemon is unreachable), or a
+        relay that ended without a word, or an answer that is no runner's; a connection to
+        the sandbox lost for good is no verdict: the attach fails, as an exec's would."""
+        try:
+            info = await channel.request({protocol.OP: protocol.INFO})
+        except RunnerTransportError as exc:
+            failure = channel.failure
+            if failure is not None and not failure.runner_gone:
+                await channel.close()
+                raise SessionError(f"could not reach the runner in sandbox {sandbox_id}: {exc}") from None
+            info = {}
         except BaseException:
-            await _discard(opening)
+            await channel.close()
             raise
         if not is_runner_info(info):
-            await _discard(opening)
+            await channel.close()  # not the link's channel: its end is told to nobody
             return None
-        opened = await opening if opening is not None else None
-        if opened is not None:
-            await self._use(*opened)
+        await self._use(channel, sandbox_id)
+        info.pop(protocol.REPLY, None)  # the channel's numbering, not the runner's word
         return info
 
     async def _open_channel(self, background_seq: int = 0) -> tuple[RunnerChannel, str] | None:
