@@ -117,6 +117,11 @@ FREEZING_OR_THAWING = (SandboxStatus.PAUSING, SandboxStatus.RESUMING)
 # answered `paused`/`running`, which spares the client a poll round trip, and its first
 # sleep; a slower one is answered `pausing`/`resuming`, as CreateOS may answer either.
 ANSWER_SETTLED_WITHIN = 0.05
+# How long a fork request waits for its child to be made before it answers: a local fork
+# takes ~0.1-0.3 s, and a child answered `running` is seen at once, where a client polling
+# from `forking` sees it only at its next look (up to a third late, see session.py's
+# POLL_GROWTH). A slower fork is answered `forking`, as CreateOS may answer.
+ANSWER_FORKED_WITHIN = 1.0
 HEARTBEAT_SECONDS = 5.0  # an idle stream (exec, process connect) gets a heartbeat this often
 
 
@@ -741,12 +746,12 @@ class Engine:
         self._save(sandbox)
         return sandbox
 
-    async def settled_soon(self, sandbox: LocalSandbox) -> LocalSandbox:
-        """The sandbox once its pause or resume just begun is done, or once
-        ANSWER_SETTLED_WITHIN has passed (the work goes on: a request's end cancels no
-        freeze)."""
+    async def settled_soon(self, sandbox: LocalSandbox, within: float = ANSWER_SETTLED_WITHIN) -> LocalSandbox:
+        """The sandbox once its pause, resume or making by a fork just begun is done, or
+        once `within` seconds have passed (the work goes on: a request's end cancels no
+        freeze, nor a fork)."""
         if sandbox.transition is not None:
-            await asyncio.wait({sandbox.transition}, timeout=ANSWER_SETTLED_WITHIN)
+            await asyncio.wait({sandbox.transition}, timeout=within)
         return sandbox
 
     def _begin(self, sandbox: LocalSandbox, status: SandboxStatus, work) -> None:  # type: ignore[no-untyped-def]

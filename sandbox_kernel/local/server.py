@@ -71,7 +71,7 @@ from sandbox_kernel.local.agent_client import AgentUnavailable
 from sandbox_kernel.local.catalog import CATALOG
 from sandbox_kernel.local.egress_destinations import DestinationLog
 from sandbox_kernel.api.shapes import SHAPES
-from sandbox_kernel.local.engine import HEARTBEAT_SECONDS, Engine
+from sandbox_kernel.local.engine import ANSWER_FORKED_WITHIN, HEARTBEAT_SECONDS, Engine
 from sandbox_kernel.local.engine_errors import EngineError
 from sandbox_kernel.local.local_sandbox import LocalSandbox, rfc3339
 from sandbox_kernel.local.unsupported import add_unsupported_routes
@@ -333,10 +333,12 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     async def resume_sandbox(sandbox_id: str) -> JSONResponse:
         return jsend((await engine.settled_soon(engine.resume(sandbox_id))).view())
 
-    # One child per call, answered in `forking`; the source must be paused and stays so.
+    # One child per call, answered once made (`running`, or `paused` if asked) if that takes
+    # under ANSWER_FORKED_WITHIN, else in `forking`; the source must be paused and stays so.
     @app.post("/v1/sandboxes/{sandbox_id}/fork")
     async def fork_sandbox(sandbox_id: str, body: ForkSandboxRequest | None = None) -> JSONResponse:
-        return jsend(engine.fork(sandbox_id, body or ForkSandboxRequest()).view())
+        child = engine.fork(sandbox_id, body or ForkSandboxRequest())
+        return jsend((await engine.settled_soon(child, ANSWER_FORKED_WITHIN)).view())
 
     # -- egress --------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from enum import Enum
 from typing import Any
 
 from sandbox_kernel.api import SandboxClient
+from sandbox_kernel.guest import protocol
 from sandbox_kernel.sandbox.channel import ChannelUnavailable, RunnerChannel, SandboxProcesses
 from sandbox_kernel.sandbox.errors import SessionError
 from sandbox_kernel.sandbox.exec_transport import ExecStreaming, ExecTransport
@@ -49,6 +50,12 @@ def execs_to(client: SandboxClient, sandbox_id: str, line_limit: int, streaming:
     """The exec transport to the runner serving in `sandbox_id`."""
     return ExecTransport(client, sandbox_id, SANDBOX_PYTHON,
                          lambda command, arg: runner_client(command, RUNNER_DIR, arg), line_limit, streaming)
+
+
+def is_runner_info(info: dict[str, Any]) -> bool:
+    """Is this answer to an info request a runner's info? Anything else (the sandbox's code
+    can replace the runner's client) is no runner this kernel can drive."""
+    return "python_version" in info
 
 
 class ManagedProcesses(Enum):
@@ -102,21 +109,75 @@ class RunnerLink:
         saw up to it), unless the provider has no managed processes."""
         if not self._opens_channels or self._processes is ManagedProcesses.MISSING:
             return
+        opened = await self._open_channel(background_seq)
+        if opened is not None:
+            await self._use(*opened)
+
+    async def serving_runner_info(self) -> dict[str, Any] | None:
+        """The info of a runner already serving in the current sandbox, now reached as by
+        connect; None if nothing there answers as one (no runner, or the sandbox's code put
+        something else in its client's place): no channel of ours is left then, and its
+        relay's end is no runner death for on_runner_gone.
+
+        Asked over the channel it will go on using: one Python started in the sandbox, where
+        an exec asking first and then the channel started two (a fork's attach waits for
+        them). By exec where no channel can open."""
+        if self._opens_channels and self._processes is not ManagedProcesses.MISSING:
+            opened = await self._open_channel()
+            if opened is not None:
+                return await self._info_over(*opened)
+        try:
+            info = await self.by_exec().request({protocol.OP: protocol.INFO})
+        except RunnerTransportError:  # no answer, or one that is not JSON
+            return None
+        return info if is_runner_info(info) else None
+
+    async def _info_over(self, channel: RunnerChannel, sandbox_id: str) -> dict[str, Any] | None:
+        """serving_runner_info over a channel just opened, which becomes the link's if a
+        runner answers. No runner is a relay's verdict (the daemon is unreachable), or a
+        relay that ended without a word, or an answer that is no runner's; a connection to
+        the sandbox lost for good is no verdict: the attach fails, as an exec's would."""
+        try:
+            info = await channel.request({protocol.OP: protocol.INFO})
+        except RunnerTransportError as exc:
+            failure = channel.failure
+            if failure is not None and not failure.runner_gone:
+                await channel.close()
+                raise SessionError(f"could not reach the runner in sandbox {sandbox_id}: {exc}") from None
+            info = {}
+        except BaseException:
+            await channel.close()
+            raise
+        if not is_runner_info(info):
+            await channel.close()  # not the link's channel: its end is told to nobody
+            return None
+        await self._use(channel, sandbox_id)
+        info.pop(protocol.REPLY, None)  # the channel's numbering, not the runner's word
+        return info
+
+    async def _open_channel(self, background_seq: int = 0) -> tuple[RunnerChannel, str] | None:
+        """A channel opened to the current sandbox (not yet the link's), with that sandbox's
+        id; None if the provider turns out to have no managed processes."""
         client, sandbox_id = self._where()
         channel = channel_to(client, sandbox_id, self._line_limit, self._on_background, background_seq)
         channel.on_runner_gone = lambda failure: self._runner_gone(channel, failure)  # knows its channel
         try:
             await channel.open()
-            if self._closing:
-                await channel.close()
-                raise SessionError("the kernel is shutting down")
         except ChannelUnavailable as exc:
             if self._processes is ManagedProcesses.AVAILABLE:
                 raise RuntimeError(f"the runner's channel could not start: {exc}") from None
             log.warning("no managed processes (%s): one exec per cell", exc)
             self._processes = ManagedProcesses.MISSING
-            return
+            return None
         self._processes = ManagedProcesses.AVAILABLE
+        return channel, sandbox_id
+
+    async def _use(self, channel: RunnerChannel, sandbox_id: str) -> None:
+        """From now on requests go over `channel`, to the runner in `sandbox_id`; the channel
+        it replaces is closed (or left to close once its paused sandbox runs again)."""
+        if self._closing:
+            await channel.close()
+            raise SessionError("the kernel is shutting down")
         old, old_sandbox = self._channel, self._channel_sandbox
         self._channel, self._channel_sandbox = channel, sandbox_id
         if old is not None and not await old.close():

@@ -348,17 +348,11 @@ class SandboxSession:
             if view.status != SandboxStatus.RUNNING:
                 await self._wake(progress)
             if not fresh_runner:
-                try:
-                    info = await self.link.by_exec().request({protocol.OP: protocol.INFO})
-                except RunnerTransportError:  # no answer, or one that is not JSON
-                    info = {}
-                # Anything else than a runner's info (the sandbox's code can replace its
-                # client) is no runner this kernel can drive: a new one is started.
-                if "python_version" in info:
+                info = await self.link.serving_runner_info()
+                if info is not None:
                     self._runner_info = info
-                    await self.link.connect()
                     return True
-            await self._start_runner()
+            await self._start_runner()  # none there, or none this kernel can drive
             return False
         except BaseException:  # a failed attach leaves the notebook on its sandbox
             self._sandbox_id, self._runner_info = previous
@@ -472,8 +466,8 @@ class SandboxSession:
         return view
 
     def _settled_answer(self, answer: SandboxView | StatusAck, target: SandboxStatus) -> SandboxView | None:
-        """The view a pause or resume was answered with, if it is already `target` (the
-        local engine answers so once its freeze or thaw is done): no poll is needed then.
+        """The view a pause, resume or fork was answered with, if it is already `target` (the
+        local engine answers so once its freeze, thaw or fork is done): no poll is needed then.
         None for a transition under way, or a bare {id, status} (a full view is wanted)."""
         if isinstance(answer, SandboxView) and answer.status == target:
             return self._track(answer)
@@ -527,7 +521,8 @@ class SandboxSession:
             await self.pause(progress)
         child = await client.fork_sandbox(sandbox_id, ForkSandboxRequest(envs=envs))
         ownership.own(child.id, owner)  # at once: a kernel killed now leaves it to gc, not to nobody
-        view = await self._settle(child.id, SandboxStatus.RUNNING, progress)
+        view = (self._settled_answer(child, SandboxStatus.RUNNING)
+                or await self._settle(child.id, SandboxStatus.RUNNING, progress))
         if view.auto_pause_after_seconds is None:
             view = self._track(await client.patch_sandbox(view.id, PatchSandboxRequest(
                 auto_pause_after_seconds=self._settings.auto_pause or FORK_AUTO_PAUSE)))
