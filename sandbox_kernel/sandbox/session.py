@@ -61,6 +61,9 @@ EVENT_LINE_SLACK = 1024 * 1024
 # A fork made from a notebook pauses after this long idle unless the kernel sets its own
 # auto-pause: a forgotten fork then costs only its memory and disk.
 FORK_AUTO_PAUSE = 600
+# How long a cancelled fork waits for its answer, to record the child's owner (the local
+# engine answers within a second; CreateOS at once, `forking`).
+FORK_ANSWER_WAIT = 5.0
 
 # A restarting kernel's sandboxes wait this long for the new kernel process to own them.
 RESTART_HANDOFF_WAIT = 120.0
@@ -498,6 +501,24 @@ class SandboxSession:
         await self.link.sandbox_resumed(sandbox_id)
         return view
 
+    async def _fork_owned(self, sandbox_id: str, request: ForkSandboxRequest, owner: int | None) -> SandboxView:
+        """The fork request, its child owned as soon as it is answered (a kernel killed later
+        leaves the child to gc, not to nobody). A cancellation (Ctrl-C in a sweep) waits for the
+        answer first: the local engine answers once the child is made, up to a second later,
+        and a child made with nobody to record it would outlive everyone."""
+        async def forked() -> SandboxView:
+            child = await self._client().fork_sandbox(sandbox_id, request)
+            ownership.own(child.id, owner)
+            return child
+
+        answer = asyncio.ensure_future(forked())
+        try:
+            return await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(answer, FORK_ANSWER_WAIT)
+            raise
+
     async def fork(self, name: str | None = None, progress: Progress | None = None,
                    on_pause: Progress | None = None, owner: int | None = None) -> SandboxView:
         """Fork this sandbox (live memory and files); return the running child, owned by
@@ -519,8 +540,7 @@ class SandboxSession:
             if on_pause:
                 on_pause(f"Pausing sandbox {sandbox_id} first: only a paused sandbox can be forked")
             await self.pause(progress)
-        child = await client.fork_sandbox(sandbox_id, ForkSandboxRequest(envs=envs))
-        ownership.own(child.id, owner)  # at once: a kernel killed now leaves it to gc, not to nobody
+        child = await self._fork_owned(sandbox_id, ForkSandboxRequest(envs=envs), owner)
         view = (self._settled_answer(child, SandboxStatus.RUNNING)
                 or await self._settle(child.id, SandboxStatus.RUNNING, progress))
         if view.auto_pause_after_seconds is None:

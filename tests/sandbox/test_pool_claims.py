@@ -5,13 +5,16 @@ trace), and `sandbox-kernel gc --dry-run` lists every one whose owner is not a l
 A real engine and real pool members (made as a kernel makes them). The claiming session's
 HTTP transport fails one request of the claim (a refused connection: the engine never saw
 it), or every request from one on (the engine ran it but its answer was lost), at each
-step in turn. The client makes no retries, so every fault fails its step.
+step in turn. The client makes no retries, so every fault fails its step. A fork cancelled
+while the engine makes its child leaves that child one owner too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,3 +179,46 @@ async def test_a_claim_failing_at_any_step_leaves_every_sandbox_one_owner(own_en
                     assert session.sandbox_id in listed  # owned by this test's process, no kernel
             finally:
                 await close(session)
+
+
+class HeldForks(httpx.AsyncBaseTransport):
+    """Fork requests reach the engine, which makes the child; their answers wait until
+    `release` is set (`held` says one is waiting)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner, self.held, self.release = inner, asyncio.Event(), asyncio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.method == "POST" and request.url.path.endswith("/fork"):
+            self.held.set()
+            await self.release.wait()
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_fork_cancelled_while_its_child_is_made_leaves_the_child_one_owner(
+        own_engine: EngineEndpoint, clean: SandboxClient) -> None:
+    """Ctrl-C in a sweep cancels forks in flight: the engine makes the child all the same,
+    so the fork waits for its answer and records the child's owner before it ends."""
+    state = Path(os.environ["SANDBOX_KERNEL_STATE_DIR"])
+    forks = HeldForks(httpx.AsyncHTTPTransport())
+    session = SandboxSession(Settings(provider="local", shape="s-1vcpu-256mb"), refill_pool=False,
+                             client=SandboxClient(own_engine.url, own_engine.token, transport=forks))
+    await session.start()
+    try:
+        fork = asyncio.ensure_future(session.fork())
+        await asyncio.wait_for(forks.held.wait(), 120)
+        fork.cancel()  # while the engine's answer is on its way
+        await asyncio.sleep(0)
+        forks.release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await fork
+        [child] = [view.id for view in names.live(await clean.list_sandboxes())
+                   if view.forked_from == session.sandbox_id]
+        # Owned by this process (no kernel): gc lists it, as it would after a sweep was killed.
+        assert child in await check_owners(clean, state)
+    finally:
+        await session.shutdown()
