@@ -17,6 +17,7 @@ from sandbox_kernel.sandbox import runner_setup
 from sandbox_kernel.sandbox import session as session_module
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
 from sandbox_kernel.config import Settings
+from sandbox_kernel.guest import bundle
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
@@ -127,7 +128,7 @@ async def test_a_runner_that_dies_at_start_is_said_with_its_last_words(
     exits at once is reported by that exec, with the end of its log."""
     broken = tmp_path / "__main__.py"
     broken.write_text("import sys\nsys.exit('this runner stops at once')\n")
-    monkeypatch.setitem(runner_setup.RUNNER_FILES, f"{runner_setup.RUNNER_PATH}/__main__.py", broken)
+    monkeypatch.setitem(runner_setup.RUNNER_FILES, f"{bundle.PACKAGE}/{bundle.RUNNER}/__main__.py", broken)
     session = session_module.SandboxSession(Settings.from_env())
     try:
         with pytest.raises(session_module.SessionError, match="did not start: this runner stops at once"):
