@@ -48,9 +48,9 @@ async def measure(repeat: int) -> list[Row]:
         times["cold"].append(await _start_to_first_result(SANDBOX, COLD))
         times["warm"].append(await _start_to_first_result(SANDBOX, WARM, warm_pool))
     cold = Row("kernel start to first result, cold (new sandbox)", "ms", ms(times["cold"]),
-               ms(times["plain"]), "ratio <= 2.2")
-    cold.met = cold.ratio is not None and cold.ratio <= 2.2
+               ms(times["plain"]), "ratio <= 1.3")
+    cold.met = cold.ratio is not None and cold.ratio <= 1.3
     warm = Row("kernel start to first result, warm pool", "ms", ms(times["warm"]),
-               ms(times["plain"]), "ratio <= 1.5")
-    warm.met = warm.ratio is not None and warm.ratio <= 1.5
+               ms(times["plain"]), "ratio <= 1.15")
+    warm.met = warm.ratio is not None and warm.ratio <= 1.15
     return [cold, warm]
