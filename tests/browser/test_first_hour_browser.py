@@ -18,6 +18,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -60,7 +61,7 @@ def lab_with_an_index(kernelspec: str, tmp_path: Path) -> Iterator[tuple[Lab, st
     chromium_path()
     with serving_index(tmp_path / "index") as alias_url:
         host_url = alias_url.replace(HOST_ALIAS, "127.0.0.1")  # as the host's pip knows it
-        port = host_url.split(":")[2].split("/")[0]
+        port = str(urlsplit(host_url).port)
         with running_jupyterlab(tmp_path / "lab", {"PIP_INDEX_URL": host_url, "PIP_CONFIG_FILE": os.devnull}) as lab:
             yield lab, port
 
