@@ -15,8 +15,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
-
 from sandbox_kernel.api import names
 from sandbox_kernel.api import SandboxClient
 from sandbox_kernel.api.egress_rules import EgressRuleError, validate as validate_egress
@@ -150,6 +148,8 @@ def config_file_path(env: Mapping[str, str]) -> Path | None:
 
 def read_config_file(path: Path) -> dict[str, str]:
     """The options a TOML config file sets, as text; unknown options and API keys are refused."""
+    import tomllib  # only where a config file exists: most kernels start without one
+
     try:
         table = tomllib.loads(path.read_text())
     except OSError as exc:

@@ -7,6 +7,8 @@ only the standard library). Every import counts, also those inside functions.
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,47 @@ def test_every_module_lives_in_a_folder_that_says_where_it_runs() -> None:
 def test_no_module_does_several_jobs_by_length(path: Path) -> None:
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)}: {lines} lines"
+
+
+# Runs the command line when imported.
+NOT_IMPORTABLE = {"sandbox_kernel.__main__"}
+# Modules loaded by another package as it imports itself (an entry point), and that package.
+LOADED_BY = {"sandbox_kernel.cli.papermill_engine": "papermill"}
+
+
+@pytest.mark.parametrize("path", package_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_every_module_imports_and_so_does_each_import_in_its_functions(path: Path) -> None:
+    """Imports deferred to where they are first used (to keep the kernel's start light) fail
+    here, not in the first cell whose magic needs them."""
+    name = module_name(path).removesuffix(".__init__")
+    if name in NOT_IMPORTABLE:
+        return
+    if name in LOADED_BY:
+        importlib.import_module(LOADED_BY[name])
+    importlib.import_module(name)
+    for inner in deferred_imports(ast.parse(path.read_text())):
+        if isinstance(inner, ast.Import):
+            for alias in inner.names:
+                importlib.import_module(alias.name)
+        elif inner.module and not inner.level:  # a relative one is of the package: imported above
+            module = importlib.import_module(inner.module)
+            for alias in inner.names:
+                assert hasattr(module, alias.name) or importlib.import_module(f"{inner.module}.{alias.name}"), \
+                    f"{name}: from {inner.module} import {alias.name}"
+
+
+def deferred_imports(node: ast.AST, in_function: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """The imports in functions of the package's own modules and the standard library's, but
+    for those in a try statement (optional by design). A third party's may need a set-up of
+    its own first (debugpy's vendored _pydevd_bundle)."""
+    if isinstance(node, ast.Try):
+        return []
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        ours = all(name.split(".")[0] in {"sandbox_kernel", *sys.stdlib_module_names} for name in names)
+        return [node] if in_function and ours else []
+    inside = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    return [found for child in ast.iter_child_nodes(node) for found in deferred_imports(child, inside)]
 
 
 def test_upward_imports_are_found_inside_functions_and_relative() -> None:

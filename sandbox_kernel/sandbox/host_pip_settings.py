@@ -22,7 +22,6 @@ An index in a host directory (file://) is not passed: the sandbox cannot see it.
 
 from __future__ import annotations
 
-import configparser
 import hashlib
 import logging
 import os
@@ -205,6 +204,8 @@ def pip_config_files(environ: Mapping[str, str]) -> list[Path]:
 
 def read_pip_config(files: list[Path]) -> dict[str, str]:
     """The keys this module passes, as pip's install command sees them in `files`."""
+    import configparser  # read for a new sandbox only: a start on a pooled one does without
+
     found: dict[str, str] = {}
     for path in files:
         parser = configparser.RawConfigParser()

@@ -16,7 +16,6 @@ import logging
 import re
 import secrets
 import signal
-import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +97,8 @@ async def start_runner(client: SandboxClient, sandbox_id: str, new_sandbox: bool
 def bundle_tar(files: tuple[tuple[str, Path], ...]) -> bytes:
     """The runner's files (path under the runner's directory, file on the host) as one tar
     file of plain regular files, made once per process."""
+    import tarfile  # only for a new runner's upload: a kernel on a pooled sandbox makes none
+
     archive = io.BytesIO()
     with tarfile.open(fileobj=archive, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for path, source in files:

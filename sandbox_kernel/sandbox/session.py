@@ -21,7 +21,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sandbox_kernel.api import (
     ConflictError,
@@ -40,13 +40,16 @@ from sandbox_kernel.api import (
 )
 from sandbox_kernel.config import SHUTDOWN_POLICIES, Settings, open_client
 from sandbox_kernel.guest import bundle as runner_bundle, protocol
-from sandbox_kernel.sandbox import host_pip_settings, ownership, pool, runner_setup, shutdown_policy
+from sandbox_kernel.sandbox import host_pip_settings, ownership, pool, runner_setup
 from sandbox_kernel.sandbox.cost import Cost, Meter, PriceBook
 from sandbox_kernel.sandbox.errors import RunnerDied, SessionError
 from sandbox_kernel.sandbox.runner_link import RunnerLink
 from sandbox_kernel.sandbox.runner_setup import RUNNER_DIR
-from sandbox_kernel.sandbox.transfer import Report, Transfer
 from sandbox_kernel.sandbox.transport import EventHandler, RunnerTransportError
+
+if TYPE_CHECKING:  # imported where used: an early start's create waits on this module's imports
+    from sandbox_kernel.sandbox.shutdown_policy import Kept
+    from sandbox_kernel.sandbox.transfer import Report, Transfer
 
 __all__ = ["EarlySandbox", "Prepared", "RESTART_HANDOFF_WAIT", "RunnerDied", "SandboxSession", "SessionError"]
 
@@ -188,6 +191,8 @@ class SandboxSession:
     def transfer(self, report: Report) -> Transfer:
         """One %upload or %download with this session's sandbox (transfer.py); report hears
         its progress."""
+        from sandbox_kernel.sandbox.transfer import Transfer  # a magic's: not imported at start
+
         client, sandbox_id = self._require()
         return Transfer(client, sandbox_id, report)
 
@@ -762,9 +767,11 @@ class SandboxSession:
         self._meter.note_gone(sandbox_id)
         ownership.forget(sandbox_id)
 
-    async def shutdown(self, policy: str | None = None) -> list[shutdown_policy.Kept]:
+    async def shutdown(self, policy: str | None = None) -> list[Kept]:
         """Close the session, applying `policy` (or on_shutdown) to every sandbox this
         kernel owns; return those kept (shutdown_policy.py)."""
+        from sandbox_kernel.sandbox import shutdown_policy  # needed at the end only, not at start
+
         if self._api is None:
             return []
         self.link.begin_closing()
