@@ -4,7 +4,6 @@ for a cell without refusals where the engine's stream tells their count."""
 
 from __future__ import annotations
 
-from sandbox_kernel.kernel.magics.egress import show_refusals
 from sandbox_kernel.kernel.output import CellOutput
 from sandbox_kernel.sandbox.session import SandboxSession
 
@@ -43,4 +42,7 @@ class RefusalNotes:
         before, self.seen[sandbox_id] = self.seen[sandbox_id], view.denied_count
         self.hinted[sandbox_id] = hint
         if before is not None and view.denied_count is not None:
+            # The %egress magic's module, imported with the first refusal, not at start.
+            from sandbox_kernel.kernel.magics.egress import show_refusals
+
             show_refusals(out, view, before)

@@ -17,13 +17,13 @@ from sandbox_kernel.kernel.egress_learning import EgressLearning
 from sandbox_kernel.kernel.egress_refusals import RefusalNotes
 from sandbox_kernel.kernel.events import EventTranslator
 from sandbox_kernel.kernel.interrupts import WaitInterrupted
-from sandbox_kernel.kernel.magics.dispatch import SandboxMagics
 from sandbox_kernel.kernel.magics.parsing import MagicError, Segment, split_cell
 from sandbox_kernel.kernel.output import CellOutput
 from sandbox_kernel.sandbox.session import RunnerDied, SandboxSession, SessionError
 
 if TYPE_CHECKING:
     from sandbox_kernel.kernel.handlers import SandboxKernel
+    from sandbox_kernel.kernel.magics.dispatch import SandboxMagics
 
 log = logging.getLogger("sandbox_kernel.kernel.execute")
 
@@ -46,10 +46,10 @@ class CellExecutor:
             return self.ok()
         if kernel.shutdown.stopping:
             return self.fail("KernelStopping", kernel.shutdown.stopping_line())
-        if store_history and not silent and kernel.history:
+        if store_history and not silent:
             # At the loop's next turn, which comes once the cell's request is written (SQLite's
-            # insert took ~0.2 ms of the way to the sandbox).
-            asyncio.get_running_loop().call_soon(kernel.history.record, kernel.cell_count(), code)
+            # insert took ~0.2 ms of the way to the sandbox; the first cell's opens the file too).
+            asyncio.get_running_loop().call_soon(kernel.record_input, kernel.cell_count(), code)
         out = CellOutput(kernel.send_iopub, in_place=kernel.queries.updates_in_place())
         # Once the sandbox is up there is nothing to wait for, so no interruptible task: its
         # loop turn came before the cell's request, with whatever else was ready to run.
@@ -64,7 +64,7 @@ class CellExecutor:
                              "run a cell when you want it")
         if EXIT_CELL.fullmatch(code) and await self._best_effort(self.is_paused(session)):
             return self.ok([{"source": "ask_exit", "keepkernel": False}])
-        magics = SandboxMagics(session, out, kernel.output_filter, self.learning)
+        magics: SandboxMagics | None = None  # made for a cell's first magic line
         payload: list[dict[str, Any]] = []
         segments = split_cell(code)
         # user_expressions are evaluated after the cell's last code, in the sandbox; after a
@@ -76,6 +76,12 @@ class CellExecutor:
         expressions: dict[str, Any] = {}
         for index, segment in enumerate(segments):
             if segment.magic:
+                if magics is None:
+                    # Imported here: the magics' modules (sweeps, transfers, costs, sealed
+                    # notebooks...) are not needed for a first cell, only for one with a magic.
+                    from sandbox_kernel.kernel.magics import dispatch
+
+                    magics = dispatch.SandboxMagics(session, out, kernel.output_filter, self.learning)
                 try:
                     await kernel.interrupts.interruptible_wait(magics.run(segment.text))
                     payload += magics.payload

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ipykernel import kernel_protocol_version
 from ipykernel.kernelbase import Kernel
@@ -43,7 +44,6 @@ from sandbox_kernel.kernel.debug import DebugRelay
 from sandbox_kernel.kernel.events import EventRouting
 from sandbox_kernel.kernel.execute import CellExecutor
 from sandbox_kernel.kernel.handoff import RestartHandoff
-from sandbox_kernel.kernel.history import open_history
 from sandbox_kernel.kernel.interrupts import Interrupts
 from sandbox_kernel.kernel.output_safety import OutputFilter
 from sandbox_kernel.kernel.queries import CodeQueries
@@ -53,6 +53,9 @@ from sandbox_kernel.kernel.subshells import Subshells
 from sandbox_kernel.kernel.usage import UsageReporter
 from sandbox_kernel.paths import state_dir
 from sandbox_kernel.sandbox.session import SandboxSession
+
+if TYPE_CHECKING:
+    from sandbox_kernel.kernel.history import History
 
 log = logging.getLogger("sandbox_kernel.kernel.handlers")
 
@@ -127,7 +130,6 @@ class SandboxKernel(Kernel):
             config_error = str(exc)
         self.settings = settings
         self.main_loop: asyncio.AbstractEventLoop | None = None
-        self.history = open_history(state_dir() / "history.sqlite")
         # What of the sandbox's output may reach the page (%sandbox trust-output), for this
         # kernel's life: a restart filters again.
         self.output_filter = OutputFilter()
@@ -149,6 +151,20 @@ class SandboxKernel(Kernel):
         self.announced_counts: dict[str, int] = {}
         self.shell_handlers.update(self.bind_handlers(SHELL_HANDLERS))
         self.control_handlers.update(self.bind_handlers(CONTROL_HANDLERS))
+
+    @functools.cached_property
+    def history(self) -> History | None:
+        """The input history, opened at its first use (a cell's record, made once the cell's
+        request is on its way; a history request), not at start: sqlite3's import and the
+        file's opening took 5-10 ms of the kernel's start. None if it cannot be opened."""
+        from sandbox_kernel.kernel.history import open_history
+
+        return open_history(state_dir() / "history.sqlite")
+
+    def record_input(self, line: int, source: str) -> None:
+        """Keep a cell's source in the input history (when there is one)."""
+        if self.history:
+            self.history.record(line, source)
 
     def bind_handlers(self, table: dict[str, str]) -> dict[str, Handler]:
         """The handlers a table names, bound to this kernel's modules."""

@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Never
 
 from sandbox_kernel.sandbox.errors import RunnerDied
-from sandbox_kernel.sandbox.shutdown_policy import farewell
 
 if TYPE_CHECKING:
     from sandbox_kernel.kernel.handlers import SandboxKernel
@@ -63,6 +62,9 @@ class Shutdown:
                     # sandboxes, so a restart is a fresh runner in the same sandbox.
                     await kernel.on_main_loop(kernel.handoff.hand_off(kernel.sandbox))
                 else:
+                    # Needed once, here: not imported at the kernel's start.
+                    from sandbox_kernel.sandbox.shutdown_policy import farewell
+
                     await kernel.on_main_loop(kernel.boot.give_up())
                     self._last_words(farewell(await kernel.on_main_loop(kernel.sandbox.shutdown())))
             except Exception as exc:
