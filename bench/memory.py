@@ -37,8 +37,9 @@ ROLES = ("bwrap", "agent", "warden", "runner", "relay")
 
 def process_role(pid: int) -> str:
     """What a local sandbox's process is, from its command line: one of ROLES (the warden is
-    the runner's parent, guest/runner/warden.py; the relay is `client.py channel`, the
-    kernel's connection to the runner), or "other" (what the user started)."""
+    the runner's parent, a shell whose script ends in guest/runner/warden.py; the relay is
+    `client.py channel`, the kernel's connection to the runner), or "other" (what the user
+    started)."""
     words = command_line(pid).split()
     names = [os.path.basename(word) for word in words]
     if not words:
