@@ -30,7 +30,6 @@ status 1, so the kernel always has JSON to parse. Must run on Python 3.8+.
 
 import _socket
 import _thread
-import binascii
 import posix
 import sys
 
@@ -53,6 +52,8 @@ def main(argv: list) -> int:
         sys.stderr.buffer.write(USAGE)
         return 2
     command, state_dir, argument = argv
+    import binascii  # here, not above: the relay (channel) lives on without it (its 28 KiB)
+
     try:
         request = binascii.a2b_base64(argument.encode("ascii")).strip()
     except (binascii.Error, UnicodeEncodeError):
