@@ -4,10 +4,10 @@ it ever held, which its parent alone can learn.
 The kernel starts the daemon under a shell that waits for it (sandbox/runner_setup.py:
 watched), and that becomes this script once the daemon has ended:
 
-    sh -c 'trap : INT; python3 RUNNER serve DIR; exec python3 -I -S warden.py RECORD $?'
+    sh -c 'trap "" INT; python3 RUNNER serve DIR; exec python3 -I -S warden.py RECORD $?'
 
-A waiting shell costs a sandbox about 0.3 MiB (PSS), where a Python waiting in wait4 cost
-3.5 MiB. The peak is what the process learns with getrusage(RUSAGE_CHILDREN): the largest
+A waiting shell costs a sandbox about 0.15 MiB (PSS), where a Python waiting in wait4 cost
+3.6 MiB. The peak is what the process learns with getrusage(RUSAGE_CHILDREN): the largest
 resident size among the children it has waited for, their own waited-for children included,
 kept across exec. The shell waited for the daemon and has no other child.
 
