@@ -13,8 +13,10 @@ import functools
 import io
 import json
 import logging
+import posixpath
 import re
 import secrets
+import shlex
 import signal
 import tarfile
 import time
@@ -31,6 +33,12 @@ log = logging.getLogger("sandbox_kernel.sandbox.runner_setup")
 RUNNER_DIR = "/tmp/sandbox-kernel"
 RUNNER_PATH = bundle.runner_path(RUNNER_DIR)
 RUNNER_CLIENT_PATH = bundle.client_path(RUNNER_DIR)
+# The client is imported, not run as a script: Python compiles a script at every start, and
+# what the compiler used stays in the process's heap, 0.4 MiB that the relay kept for as long
+# as its kernel; a module comes from the bytecode the daemon writes as it starts (a runner of
+# another version has the same client.py, with the same main).
+RUNNER_CLIENT_CODE = (f"import sys; sys.path.insert(0, {posixpath.dirname(RUNNER_CLIENT_PATH)!r}); "
+                      "sys.exit(__import__('client').main(sys.argv[1:]))")
 # Uploaded at every runner start as one tar file (one request, where its ~20 files were ~20):
 # the runner's bundle (the daemon, its modules, its light client, the warden it runs under),
 # whose hash the runner reports (guest/bundle.py). Unpacked by the sandbox's tar, or its
@@ -48,9 +56,10 @@ RUNNER_END = re.compile(r"([0-9]{1,3})(?: ([0-9]{1,12}))?\n?")
 
 
 def runner_client(*args: str) -> list[str]:
-    """Arguments of a short-lived runner client: guest/runner/client.py, which starts in a bare
-    interpreter's time (no site-packages, only built-in modules), once per cell."""
-    return ["-I", "-S", RUNNER_CLIENT_PATH, *args]
+    """Arguments of a runner client, guest/runner/client.py (`client.py ARGS`, from its
+    bytecode), which starts in a bare interpreter's time (no site-packages, only built-in
+    modules): the relay, or one per cell where there are no managed processes."""
+    return ["-I", "-S", "-c", RUNNER_CLIENT_CODE, *args]
 
 
 async def start_runner(client: SandboxClient, sandbox_id: str, new_sandbox: bool = False) -> dict[str, Any]:
@@ -66,7 +75,7 @@ async def start_runner(client: SandboxClient, sandbox_id: str, new_sandbox: bool
               f"rm -f {upload}; ")
     # Detached, so the exec returns at once; `;` (not &&) so the start never waits on
     # the shutdown of a daemon that is not there.
-    stop_old = " ".join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({protocol.OP: protocol.SHUTDOWN}))])
+    stop_old = shlex.join([SANDBOX_PYTHON, *runner_client("request", RUNNER_DIR, encode_arg({protocol.OP: protocol.SHUTDOWN}))])
     # The record of its warden is named by the warden's pid, so that a daemon stopped earlier
     # cannot answer for it.
     daemon = f"{SANDBOX_PYTHON} {RUNNER_PATH} serve {RUNNER_DIR}"
