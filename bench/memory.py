@@ -14,6 +14,8 @@ import contextlib
 import os
 from pathlib import Path
 
+from sandbox_kernel.sandbox.runner_setup import RUNNER_CLIENT_CODE
+
 KIB = 1024
 
 
@@ -37,8 +39,9 @@ ROLES = ("bwrap", "agent", "warden", "runner", "relay")
 
 def process_role(pid: int) -> str:
     """What a local sandbox's process is, from its command line: one of ROLES (the warden is
-    the runner's parent, guest/runner/warden.py; the relay is `client.py channel`, the
-    kernel's connection to the runner), or "other" (what the user started)."""
+    the runner's parent, a shell whose script ends in guest/runner/warden.py; the relay is
+    `client.py channel` (imported: runner_setup.runner_client), the kernel's connection to the runner), or "other" (what the user
+    started)."""
     words = command_line(pid).split()
     names = [os.path.basename(word) for word in words]
     if not words:
@@ -49,7 +52,7 @@ def process_role(pid: int) -> str:
         return "agent"
     if "warden.py" in names:
         return "warden"
-    if "client.py" in names and "channel" in words:
+    if RUNNER_CLIENT_CODE in command_line(pid) and "channel" in words:
         return "relay"
     if any(name == "runner" and following == "serve" for name, following in zip(names, words[1:])):
         return "runner"

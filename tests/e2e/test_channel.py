@@ -59,10 +59,10 @@ def test_output_between_cells_arrives_on_the_parent_of_the_cell_that_started_it(
         assert "threading" in kc.complete("thre", 4, reply=True, timeout=60)["content"]["matches"]
 
 
-RELAYS = """
+RELAYS = f"CLIENT_CODE = {runner_setup.RUNNER_CLIENT_CODE.encode()!r}\n" + """
 import os, signal, time
 def relays():
-    \"\"\"Pids of the channel's relays (runner/client.py channel) alive in this sandbox.\"\"\"
+    \"\"\"Pids of the channel's relays (client.py channel, imported) alive in this sandbox.\"\"\"
     found = []
     for pid in filter(str.isdigit, os.listdir('/proc')):
         try:
@@ -70,7 +70,7 @@ def relays():
             state = open(f'/proc/{pid}/stat', 'rb').read().rsplit(b')', 1)[1].split()[0]
         except OSError:
             continue
-        if any(arg.endswith(b'/runner/client.py') for arg in argv) and b'channel' in argv and state != b'Z':
+        if any(arg == CLIENT_CODE for arg in argv) and b'channel' in argv and state != b'Z':
             found.append(int(pid))
     return found
 """

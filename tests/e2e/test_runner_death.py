@@ -94,6 +94,22 @@ def test_nbclient_sees_a_dead_kernel_and_the_cell_says_why(kernelspec: str) -> N
     assert nb.cells[1].outputs == []
 
 
+# A cell may interrupt its whole process group, which holds the runner's warden too.
+INTERRUPT_MY_GROUP = ("import os, signal, time\ntry:\n    os.killpg(0, signal.SIGINT)\n    time.sleep(5)\n"
+                      "except KeyboardInterrupt:\n    print('interrupted')")
+
+
+def test_a_death_after_a_cell_interrupted_its_process_group_is_said_with_its_cause(kernelspec: str) -> None:
+    """The runner's warden is in the group the cell interrupted: it waits on for the Python
+    all the same, so that a later death is said with its cause, from the warden's record."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(INTERRUPT_MY_GROUP),
+                                         nbformat.v4.new_code_cell(KILL_ITSELF)])
+    with pytest.raises(DeadKernelError):
+        NotebookClient(nb, kernel_name=kernelspec, timeout=TIMEOUT).execute()
+    assert "".join(output.get("text", "") for output in nb.cells[0].outputs) == "interrupted\n"
+    assert "".join(output.get("text", "") for output in nb.cells[1].outputs) == SAID_SIGKILL
+
+
 def test_a_restarted_kernel_drives_the_same_sandbox_with_a_fresh_python(kernelspec: str) -> None:
     with kernel_that_may_die(kernelspec) as (km, kc):
         sandbox_id = execute(kc, WRITE_AND_NAME).text().strip()

@@ -266,7 +266,7 @@ async def test_the_relay_ending_fails_the_cell_with_its_last_words() -> None:
 
 
 async def test_a_relay_killed_mid_cell_is_replaced_and_the_cell_goes_on() -> None:
-    """`pkill -f runner/client.py` in a cell: its daemon lives on, so does the cell."""
+    """The relay killed in a cell: its daemon lives on, so does the cell."""
     def respond(request: dict[str, Any]) -> list[dict[str, Any]]:
         after = request.get("after", 0)
         events = [{"cell": "c1", "seq": i, "type": "stream", "name": "stdout", "text": f"{i}\n"}

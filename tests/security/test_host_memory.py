@@ -26,7 +26,7 @@ from memory_probe import MIB, memory_growth
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
 from sandbox_kernel.local.server import MAX_BUFFERED_OUTPUT
 from sandbox_kernel.local.service import EngineEndpoint
-from sandbox_kernel.sandbox.runner_setup import RUNNER_CLIENT_PATH
+from sandbox_kernel.sandbox.runner_setup import RUNNER_CLIENT_CODE, RUNNER_CLIENT_PATH
 
 pytestmark = [pytest.mark.slow, ONCE]
 
@@ -36,15 +36,18 @@ ENGINE_BOUND_MIB = 64
 # A buffered exec returns 8 MiB of output: the engine holds it, then its JSON.
 BUFFERED_BOUND_MIB = 128
 
-# A runner client that puts the real one back for the next exec, then writes N MiB of
-# 'x' with no newline: what code in the sandbox can make the kernel's next exec read.
+# A runner client (imported, its main called) that puts the real one back for the next exec,
+# then writes N MiB of 'x' with no newline: what code in the sandbox can make the kernel's
+# next exec read.
 EVIL_CLIENT = '''
 import os, sys
-os.replace(sys.argv[0] + ".orig", sys.argv[0])
-block = b"x" * (1 << 20)
-for _ in range({mib}):
-    sys.stdout.buffer.write(block)
-sys.stdout.buffer.flush()
+os.replace(__file__ + ".orig", __file__)
+def main(argv):
+    block = b"x" * (1 << 20)
+    for _ in range({mib}):
+        sys.stdout.buffer.write(block)
+    sys.stdout.buffer.flush()
+    return 0
 '''
 
 
@@ -78,7 +81,7 @@ def channel_kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKer
 
 # Writes N MiB of 'x' into the channel relay's stdout, then a newline: what any code in the
 # sandbox can put on the kernel's channel.
-RELAY_FLOOD = """
+RELAY_FLOOD = f"CLIENT_CODE = {RUNNER_CLIENT_CODE.encode()!r}\n" + """
 import os
 def relay():
     for pid in filter(str.isdigit, os.listdir('/proc')):
@@ -86,7 +89,7 @@ def relay():
             argv = open('/proc/%s/cmdline' % pid, 'rb').read().split(b'\\0')
         except OSError:
             continue
-        if any(arg.endswith(b'/runner/client.py') for arg in argv) and b'channel' in argv:
+        if any(arg == CLIENT_CODE for arg in argv) and b'channel' in argv:
             return pid
 with open('/proc/%s/fd/1' % relay(), 'wb', buffering=0) as out:
     block = b'x' * (1 << 20)

@@ -3,6 +3,10 @@
     python3 -I -S client.py run|request DIR B64JSON
     python3 -I -S client.py channel DIR [BACKGROUND_AFTER]
 
+(The kernel imports it and calls main rather than running the file, with these arguments,
+so that it comes from the bytecode the daemon writes as it starts: a script is compiled at
+every start, and what the compiler used would stay in the relay's heap, 0.4 MiB.)
+
 `channel` is the relay of the kernel's duplex channel (sandbox_kernel/sandbox/channel.py): started
 once as a managed process, it holds one connection to the daemon for the kernel's lifetime,
 copies each stdin line (a request) to it and everything it sends (tagged events, replies)
@@ -12,7 +16,7 @@ received), so the service's retained output window, which a slow reader would fa
 of, always holds what the kernel has not read yet. When the daemon closes the channel
 (it died), the relay says so in one {"error": ...} line and exits 1.
 
-Part of the runner's bundle, but started by path as a script, never importing its package:
+Part of the runner's bundle, but run by path or imported under its bare name, never importing its package:
 where the sandbox has no managed processes the kernel starts it through the exec API for
 every cell, interrupt, input answer and completion, so its start-up is part of every
 cell's latency. That is why it imports only modules compiled into the interpreter: json,
@@ -30,7 +34,6 @@ status 1, so the kernel always has JSON to parse. Must run on Python 3.8+.
 
 import _socket
 import _thread
-import binascii
 import posix
 import sys
 
@@ -53,6 +56,8 @@ def main(argv: list) -> int:
         sys.stderr.buffer.write(USAGE)
         return 2
     command, state_dir, argument = argv
+    import binascii  # here, not above: the relay (channel) lives on without it (its 28 KiB)
+
     try:
         request = binascii.a2b_base64(argument.encode("ascii")).strip()
     except (binascii.Error, UnicodeEncodeError):

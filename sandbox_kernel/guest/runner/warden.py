@@ -1,42 +1,40 @@
-"""The runner daemon's parent in the sandbox: it starts the daemon, waits for it, and records
-how it ended and the most memory it ever held, which its parent alone can learn (wait4's
-ru_maxrss: the daemon's peak resident size, its waited-for children's included).
+"""The end of the runner daemon's warden: it records how the daemon ended and the most memory
+it ever held, which its parent alone can learn.
 
-    python3 -I -S warden.py RECORD SCRIPT [ARG...]
+The kernel starts the daemon under a shell that waits for it (sandbox/runner_setup.py:
+watched), and that becomes this script once the daemon has ended:
 
-runs SCRIPT with the warden's own interpreter (sys.executable: `python3` resolved once, which
-costs dearly where it is a shim), without -I -S.
+    sh -c 'trap "" INT; python3 RUNNER serve DIR; exec python3 -I -S warden.py RECORD $?'
 
-RECORD gets one line, "STATUS PEAK_KIB": STATUS is the exit code, or 128+N if signal N
-killed the daemon (as a shell says it). The kernel reads it when the daemon died
-(sandbox/runner_setup.py: how_runner_ended) to say why the notebook's Python died. Stdlib
-only, started with -I -S: it costs a bare interpreter's start, once per runner.
+A waiting shell costs a sandbox about 0.15 MiB (PSS), where a Python waiting in wait4 cost
+3.6 MiB. The peak is what the process learns with getrusage(RUSAGE_CHILDREN): the largest
+resident size among the children it has waited for, their own waited-for children included,
+kept across exec. The shell waited for the daemon and has no other child.
+
+RECORD gets one line, "STATUS PEAK_KIB": STATUS is the shell's $?, the exit code, or 128+N if
+signal N killed the daemon. The kernel reads it when the daemon died (runner_setup.py:
+how_runner_ended) to say why the notebook's Python died. Stdlib only, Python 3.8+, started
+with -I -S: it costs a bare interpreter's start, once per runner, after its end.
 """
 
-from __future__ import annotations
-
 import os
-import signal
+import resource
 import sys
 
+USAGE = "usage: warden.py RECORD STATUS   (STATUS: the daemon's, as the shell's $? says it)\n"
 
-def main(argv: list[str]) -> int:
-    record, script = argv[1], argv[2:]
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.execv(sys.executable, [sys.executable, *script])
-        except OSError as exc:
-            print(f"warden: {sys.executable}: {exc}", file=sys.stderr, flush=True)
-        os._exit(127)  # as a shell says "command not found"
-    # A signal meant for the cell's processes (a cell's os.killpg(0, SIGINT)) must not end the
-    # warden before the daemon: it would leave no record.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _, status, usage = os.wait4(pid, 0)
-    # (os.waitstatus_to_exitcode is Python 3.9+; a sandbox's Python may be 3.8)
-    code = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-    with open(record, "w") as out:
-        out.write(f"{code} {usage.ru_maxrss}\n")
+
+def main(argv: list) -> int:
+    if len(argv) != 3 or not argv[2].isdigit():
+        sys.stderr.write(USAGE)
+        return 2
+    record, status = argv[1], int(argv[2])
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # Whole or not at all: the kernel may read the record as soon as it exists.
+    partial = record + ".partial"
+    with open(partial, "w") as out:
+        out.write("%d %d\n" % (status, peak_kib))
+    os.replace(partial, record)
     return 0
 
 
