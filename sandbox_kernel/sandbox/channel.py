@@ -57,7 +57,6 @@ from sandbox_kernel.api import (
     SandboxAPIError,
     SandboxClient,
 )
-from sandbox_kernel.guest.runner.client import CHANNEL_WINDOW
 from sandbox_kernel.sandbox.event_lines import parse_event_line
 from sandbox_kernel.sandbox.transport import RECONNECT_DELAYS, RECOVERABLE, EventHandler, RunnerTransportError
 
@@ -67,11 +66,14 @@ log = logging.getLogger("sandbox_kernel.sandbox.channel")
 # covering the acknowledgement's trip. Each one is an API call, the costliest step of a
 # long print per byte on the kernel's side and the engine's (a quarter window made twice
 # as many, for no gain in flow).
-ACK_EVERY = CHANNEL_WINDOW // 2
+ACK_EVERY = protocol.CHANNEL_WINDOW // 2
 REQUEST_TIMEOUT = 60.0  # seconds a one-shot request (complete, inspect, info) may take
 # Relays replaced in a row with no output from any of them: past this, the channel ends
 # (a cell that kills every relay it sees would otherwise keep us starting new ones).
 RELAY_REPLACEMENTS = 3
+# Seconds a request refused by its relay waits for the reader to replace that relay or end
+# the channel (it learns either from the relay's exit on the stream, moments later).
+RELAY_SETTLE_WAIT = 10.0
 # A reader that found the sandbox paused waits for the session to resume it (its next cell
 # does); in case someone else resumes it, it asks the service again after a minute, then
 # ever less often up to five (an idle paused notebook should cost the service next to nothing).
@@ -192,6 +194,8 @@ class RunnerChannel:
         # Set when the session has the sandbox running again: a reader that found it paused
         # waits for this rather than asking the service every few seconds (sandbox_running).
         self._running_again = asyncio.Event()
+        # Set when a relay is replaced or the channel ends: a request its relay refused waits for it.
+        self._relay_changed = asyncio.Event()
         # The engine's count of egress refusals, from its heartbeats (local/processes.py), which
         # it sends when the count moves: 0 until then. The sandbox can forge frames, so this
         # only says when to ask the engine for the refusals.
@@ -255,8 +259,35 @@ class RunnerChannel:
 
     async def send(self, message: dict[str, Any]) -> None:
         """One request line (interrupt and input need no reply, nor the output stream)."""
-        await self.transport.send(self.process_id, (json.dumps(message) + "\n").encode())
+        line = (json.dumps(message) + "\n").encode()
+        process_id = self.process_id
+        try:
+            await self.transport.send(process_id, line)
+        except ConflictError:
+            # Refused: the sandbox is paused (the caller resumes it and asks again), or the
+            # relay's input has no reader any more (the relay ended, or the daemon that
+            # read it died). Then the stream's reader settles it: a new relay, which is
+            # sent the cells in flight again, or the channel's end.
+            if self.failure is not None or await self._sandbox_paused():
+                raise
+            await self._relay_settled(process_id)
+            self._check()
+            # A cell in flight was sent again by the new relay's start, and a request's
+            # reply was failed by it ("ask again"); anything else goes to the new relay.
+            if message.get(protocol.CELL_ID) not in self._cells and protocol.ID not in message:
+                await self.transport.send(self.process_id, line)
         self._running_again.set()  # it was taken: the sandbox runs, so may its stream
+
+    async def _relay_settled(self, lost: str) -> None:
+        """Wait (at most RELAY_SETTLE_WAIT) until the reader has replaced relay `lost` or
+        ended the channel; a ConflictError if neither came."""
+        deadline = asyncio.get_running_loop().time() + RELAY_SETTLE_WAIT
+        while self.failure is None and self.process_id == lost:
+            if asyncio.get_running_loop().time() > deadline:
+                raise ConflictError(f"the relay {lost} takes no input and was not replaced")
+            self._relay_changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._relay_changed.wait(), RELAY_SETTLE_WAIT)
 
     def _check(self) -> None:
         if self.failure is not None:
@@ -329,6 +360,7 @@ class RunnerChannel:
         again from its last event (a run of a known cell only follows it, and one the old
         relay never passed on starts now). Pending replies died with the old relay."""
         self.process_id = await self.transport.create(self.relay_args(self.background_seq))
+        self._relay_changed.set()
         self._reading = _Reading()
         self._lines = BoundedLines(self.line_limit)
         self._last_words = ""
@@ -336,7 +368,10 @@ class RunnerChannel:
             if not reply.done():
                 reply.set_exception(RunnerTransportError("the relay to the runner was replaced; ask again"))
         for follow in list(self._cells.values()):
-            await self.send({**follow.request, protocol.AFTER: follow.last_seq})
+            line = (json.dumps({**follow.request, protocol.AFTER: follow.last_seq}) + "\n").encode()
+            # Refused if this relay ended already: its exit, read next, says why.
+            with contextlib.suppress(ConflictError):
+                await self.transport.send(self.process_id, line)
 
     async def _sandbox_paused(self) -> bool:
         try:
@@ -453,6 +488,7 @@ class RunnerChannel:
         if self.failure is not None:
             return
         self.failure = failure
+        self._relay_changed.set()
         for follow in self._cells.values():
             if not follow.done.done():
                 follow.done.set_exception(self.failure)
