@@ -62,15 +62,17 @@ def test_output_between_cells_arrives_on_the_parent_of_the_cell_that_started_it(
 RELAYS = """
 import os, signal, time
 def relays():
-    \"\"\"Pids of the channel's relays (runner/client.py channel) alive in this sandbox.\"\"\"
+    \"\"\"Pids of the channel's relays alive in this sandbox: once the daemon has its pipes,
+    a relay (runner/client.py channel) is a cat of its connection to the daemon.\"\"\"
     found = []
     for pid in filter(str.isdigit, os.listdir('/proc')):
         try:
             argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')
+            stdin = os.readlink(f'/proc/{pid}/fd/0')
             state = open(f'/proc/{pid}/stat', 'rb').read().rsplit(b')', 1)[1].split()[0]
         except OSError:
             continue
-        if any(arg.endswith(b'/runner/client.py') for arg in argv) and b'channel' in argv and state != b'Z':
+        if argv[0] == b'cat' and stdin.startswith('socket:') and state != b'Z':
             found.append(int(pid))
     return found
 """

@@ -76,23 +76,34 @@ def channel_kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKer
         yield pair
 
 
-# Writes N MiB of 'x' into the channel relay's stdout, then a newline: what any code in the
-# sandbox can put on the kernel's channel.
+# Writes N MiB of 'x' into the channel's stdout, then a newline: what any code in the sandbox
+# can put on the kernel's channel. The daemon writes the channel itself, on the pipe the
+# relay handed it: the one write-only pipe of this process that is not fd 1 or 2's.
 RELAY_FLOOD = """
 import os
-def relay():
-    for pid in filter(str.isdigit, os.listdir('/proc')):
+def channel_fd():
+    def pipe(fd):
+        target = os.readlink('/proc/self/fd/%d' % fd)
+        return target if target.startswith('pipe:') else None
+    captured = set([pipe(1), pipe(2)])
+    found = []
+    for name in os.listdir('/proc/self/fd'):
+        fd = int(name)
         try:
-            argv = open('/proc/%s/cmdline' % pid, 'rb').read().split(b'\\0')
+            target = pipe(fd)
+            flags = int(open('/proc/self/fdinfo/%d' % fd).read().split('flags:')[1].split()[0], 8)
         except OSError:
             continue
-        if any(arg.endswith(b'/runner/client.py') for arg in argv) and b'channel' in argv:
-            return pid
-with open('/proc/%s/fd/1' % relay(), 'wb', buffering=0) as out:
-    block = b'x' * (1 << 20)
-    for _ in range({mib}):
-        out.write(block)
-    out.write(b'\\n')
+        if fd > 2 and target and target not in captured and flags & os.O_ACCMODE == os.O_WRONLY:
+            found.append(fd)
+    [fd] = found
+    return fd
+out = os.fdopen(os.dup(channel_fd()), 'wb', buffering=0)
+block = b'x' * (1 << 20)
+for _ in range({mib}):
+    out.write(block)
+out.write(b'\\n')
+out.close()
 print('the cell ran')
 """
 
