@@ -14,7 +14,6 @@ import contextlib
 import os
 from pathlib import Path
 
-from sandbox_kernel.sandbox.runner_setup import RUNNER_CLIENT_CODE
 
 KIB = 1024
 
@@ -39,9 +38,9 @@ ROLES = ("bwrap", "agent", "warden", "runner", "relay")
 
 def process_role(pid: int) -> str:
     """What a local sandbox's process is, from its command line: one of ROLES (the warden is
-    the runner's parent, a shell whose script ends in guest/runner/warden.py; the relay is
-    `client.py channel` (imported: runner_setup.runner_client), the kernel's connection to the runner), or "other" (what the user
-    started)."""
+    the runner's parent, a shell whose script ends in guest/runner/warden.py; the relay, the
+    kernel's handle on its channel to the runner, is a `cat` of a socket once it has handed
+    its pipes to the runner), or "other" (what the user started)."""
     words = command_line(pid).split()
     names = [os.path.basename(word) for word in words]
     if not words:
@@ -52,11 +51,17 @@ def process_role(pid: int) -> str:
         return "agent"
     if "warden.py" in names:
         return "warden"
-    if RUNNER_CLIENT_CODE in command_line(pid) and "channel" in words:
+    if names == ["cat"] and _stdin(pid).startswith("socket:"):
         return "relay"
     if any(name == "runner" and following == "serve" for name, following in zip(names, words[1:])):
         return "runner"
     return "other"
+
+
+def _stdin(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return os.readlink(f"/proc/{pid}/fd/0")
+    return ""
 
 
 def _parent_and_name(pid: int) -> tuple[int, str]:

@@ -33,7 +33,18 @@ USAGE = "usage"  # the sandbox's CPU and memory, for usage_reply
 COMM_INFO = "comm_info"  # the comms open in the sandbox: target_name (optional)
 DEBUG = "debug"  # a frontend's DAP request (request) for the debugger; answered {"response": ...}
 SUBSHELL = "subshell"  # action create|delete, subshell_id: a kernel subshell's thread in the runner
-CHANNEL = "channel"  # first line of a relay's connection: many requests follow on it
+# First line of a relay's connection, sent with the relay's stdin and stdout (SCM_RIGHTS):
+# the daemon answers CHANNEL_TAKEN, then reads the kernel's requests from that stdin and
+# writes the channel's events to that stdout itself (runner/channel.py).
+CHANNEL = "channel"
+CHANNEL_TAKEN = "taken"  # {"channel": "taken"}: the daemon has the relay's pipes
+# How far the daemon writes a channel's stdout ahead of the kernel's acknowledgements
+# ({"ack": BYTES received} lines on its stdin). Under the local engine's 8 MiB retained
+# window per process, with room for one whole chunk beyond it (a 256 KiB read) and the
+# per-chunk cost. Each acknowledgement is an API call through kernel, engine and agent: a
+# wider window makes fewer of them (a 20 MiB print: 6 with 7.5 MiB, 12 with 3.5 MiB, 53
+# with 768 KiB).
+CHANNEL_WINDOW = 7680 * 1024
 # Handled at once on a channel, never queued behind a completion (they need no answer).
 IMMEDIATE_OPS = (INTERRUPT, INPUT, SHUTDOWN)
 

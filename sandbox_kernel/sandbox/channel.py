@@ -1,8 +1,9 @@
 """The kernel's one duplex channel to its runner, over a managed process (CreateOS §15.3).
 
 At start (and after every runner start or sandbox switch) the session's link (runner_link.py)
-starts one managed process in the sandbox, `guest/runner/client.py channel DIR`: a relay holding one connection to
-the runner daemon. Every request (run a cell, interrupt, input answer, complete, inspect,
+starts one managed process in the sandbox, `guest/runner/client.py channel DIR`: a relay that
+hands its stdin and stdout to the runner daemon, which serves the channel on them (the relay
+stays as `cat` of its connection to the daemon, the service's handle on it). Every request (run a cell, interrupt, input answer, complete, inspect,
 info) is one stdin line, sent with the process `input` call; every event comes back on
 the process's output stream, which the kernel follows with one `connect` for its
 lifetime. Events name their cell (`"cell": id`), or `"cell": null` for output produced
@@ -16,16 +17,17 @@ lines), so what the kernel has not read is always within the service's retained 
 if it is not (a provider with a smaller window), the gap is said in the cell as one line.
 Interrupts are input lines too: they need no stream.
 
-A relay that ends without last words (killed from inside the sandbox: `pkill -f
-runner/client.py` in a cell, the OOM killer; or crashed) says nothing about its daemon, which
-usually lives on: a new relay is started in its place, and the cell in flight is asked for
-again with `after` its last event, so the daemon sends only what the kernel has not seen
-(variables and all are kept). A relay's own verdict ({"error": ...}: the daemon closed the
-connection or cannot be reached) ends the channel as a runner death, which the channel's
-owner hears at once (on_runner_gone), between cells too.
+A relay that ends without last words (killed from inside the sandbox: `pkill cat` in a
+cell, the OOM killer; or its daemon died, closing its connection) says nothing for sure
+about its daemon, which usually lives on: a new relay is started in its place, and the
+cell in flight is asked for again with `after` its last event, so the daemon sends only
+what the kernel has not seen (variables and all are kept); a dead daemon is what the new
+relay finds. A relay's own verdict ({"error": ...}: the daemon cannot be reached or
+refused the channel) ends the channel as a runner death, which the channel's owner hears
+at once (on_runner_gone), between cells too.
 
-Bounds: the relay's stdout is sandbox-controlled (code in the sandbox can replace the
-relay file). Lines are cut with BoundedLines (an unterminated line is counted, never
+Bounds: the channel's stdout is sandbox-controlled (the daemon writes it, and code in the
+sandbox can too, or replace the relay file). Lines are cut with BoundedLines (an unterminated line is counted, never
 held), nothing is stored per event, and events are checked before use: a line that is
 not an event of a cell in flight, the background, or a pending reply is ignored.
 
@@ -57,7 +59,6 @@ from sandbox_kernel.api import (
     SandboxAPIError,
     SandboxClient,
 )
-from sandbox_kernel.guest.runner.client import CHANNEL_WINDOW
 from sandbox_kernel.sandbox.event_lines import parse_event_line
 from sandbox_kernel.sandbox.transport import RECONNECT_DELAYS, RECOVERABLE, EventHandler, RunnerTransportError
 
@@ -67,11 +68,14 @@ log = logging.getLogger("sandbox_kernel.sandbox.channel")
 # covering the acknowledgement's trip. Each one is an API call, the costliest step of a
 # long print per byte on the kernel's side and the engine's (a quarter window made twice
 # as many, for no gain in flow).
-ACK_EVERY = CHANNEL_WINDOW // 2
+ACK_EVERY = protocol.CHANNEL_WINDOW // 2
 REQUEST_TIMEOUT = 60.0  # seconds a one-shot request (complete, inspect, info) may take
 # Relays replaced in a row with no output from any of them: past this, the channel ends
 # (a cell that kills every relay it sees would otherwise keep us starting new ones).
 RELAY_REPLACEMENTS = 3
+# Seconds a request refused by its relay waits for the reader to replace that relay or end
+# the channel (it learns either from the relay's exit on the stream, moments later).
+RELAY_SETTLE_WAIT = 10.0
 # A reader that found the sandbox paused waits for the session to resume it (its next cell
 # does); in case someone else resumes it, it asks the service again after a minute, then
 # ever less often up to five (an idle paused notebook should cost the service next to nothing).
@@ -192,6 +196,8 @@ class RunnerChannel:
         # Set when the session has the sandbox running again: a reader that found it paused
         # waits for this rather than asking the service every few seconds (sandbox_running).
         self._running_again = asyncio.Event()
+        # Set when a relay is replaced or the channel ends: a request its relay refused waits for it.
+        self._relay_changed = asyncio.Event()
         # The engine's count of egress refusals, from its heartbeats (local/processes.py), which
         # it sends when the count moves: 0 until then. The sandbox can forge frames, so this
         # only says when to ask the engine for the refusals.
@@ -255,8 +261,35 @@ class RunnerChannel:
 
     async def send(self, message: dict[str, Any]) -> None:
         """One request line (interrupt and input need no reply, nor the output stream)."""
-        await self.transport.send(self.process_id, (json.dumps(message) + "\n").encode())
+        line = (json.dumps(message) + "\n").encode()
+        process_id = self.process_id
+        try:
+            await self.transport.send(process_id, line)
+        except ConflictError:
+            # Refused: the sandbox is paused (the caller resumes it and asks again), or the
+            # relay's input has no reader any more (the relay ended, or the daemon that
+            # read it died). Then the stream's reader settles it: a new relay, which is
+            # sent the cells in flight again, or the channel's end.
+            if self.failure is not None or await self._sandbox_paused():
+                raise
+            await self._relay_settled(process_id)
+            self._check()
+            # A cell in flight was sent again by the new relay's start, and a request's
+            # reply was failed by it ("ask again"); anything else goes to the new relay.
+            if message.get(protocol.CELL_ID) not in self._cells and protocol.ID not in message:
+                await self.transport.send(self.process_id, line)
         self._running_again.set()  # it was taken: the sandbox runs, so may its stream
+
+    async def _relay_settled(self, lost: str) -> None:
+        """Wait (at most RELAY_SETTLE_WAIT) until the reader has replaced relay `lost` or
+        ended the channel; a ConflictError if neither came."""
+        deadline = asyncio.get_running_loop().time() + RELAY_SETTLE_WAIT
+        while self.failure is None and self.process_id == lost:
+            if asyncio.get_running_loop().time() > deadline:
+                raise ConflictError(f"the relay {lost} takes no input and was not replaced")
+            self._relay_changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._relay_changed.wait(), RELAY_SETTLE_WAIT)
 
     def _check(self) -> None:
         if self.failure is not None:
@@ -329,6 +362,7 @@ class RunnerChannel:
         again from its last event (a run of a known cell only follows it, and one the old
         relay never passed on starts now). Pending replies died with the old relay."""
         self.process_id = await self.transport.create(self.relay_args(self.background_seq))
+        self._relay_changed.set()
         self._reading = _Reading()
         self._lines = BoundedLines(self.line_limit)
         self._last_words = ""
@@ -336,7 +370,10 @@ class RunnerChannel:
             if not reply.done():
                 reply.set_exception(RunnerTransportError("the relay to the runner was replaced; ask again"))
         for follow in list(self._cells.values()):
-            await self.send({**follow.request, protocol.AFTER: follow.last_seq})
+            line = (json.dumps({**follow.request, protocol.AFTER: follow.last_seq}) + "\n").encode()
+            # Refused if this relay ended already: its exit, read next, says why.
+            with contextlib.suppress(ConflictError):
+                await self.transport.send(self.process_id, line)
 
     async def _sandbox_paused(self) -> bool:
         try:
@@ -453,6 +490,7 @@ class RunnerChannel:
         if self.failure is not None:
             return
         self.failure = failure
+        self._relay_changed.set()
         for follow in self._cells.values():
             if not follow.done.done():
                 follow.done.set_exception(self.failure)

@@ -8,6 +8,7 @@ import os
 import select
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,12 +119,14 @@ class Relay:
 def test_the_relays_words_are_the_protocols() -> None:
     from sandbox_kernel.guest import protocol as runner_protocol
     from sandbox_kernel.guest.runner import client as runner_client, daemon
+    from sandbox_kernel.guest.runner.wire import encode_line
     from sandbox_kernel.sandbox.channel import ACK_EVERY
 
     source = Path(CLIENT).read_text()
     assert f'{{"{runner_protocol.OP}": "{runner_protocol.CHANNEL}"' in source
     assert f'"{runner_protocol.BACKGROUND_AFTER}": %d' in source
-    assert runner_client.SOCKET_NAME == daemon.SOCKET_NAME and ACK_EVERY < runner_client.CHANNEL_WINDOW
+    assert encode_line({runner_protocol.CHANNEL: runner_protocol.CHANNEL_TAKEN}).startswith(runner_client.TAKEN)
+    assert runner_client.SOCKET_NAME == daemon.SOCKET_NAME and ACK_EVERY < runner_protocol.CHANNEL_WINDOW
 
 
 def test_a_channel_carries_many_requests_with_tagged_events_and_replies(daemon: Daemon) -> None:
@@ -166,7 +169,7 @@ def test_output_between_cells_reaches_the_channel_untagged(daemon: Daemon) -> No
 
 
 def test_the_relay_writes_no_further_ahead_of_the_kernel_than_its_window(daemon: Daemon) -> None:
-    from sandbox_kernel.guest.runner.client import CHANNEL_WINDOW
+    from sandbox_kernel.guest.protocol import CHANNEL_WINDOW
 
     relay = Relay(daemon)
     out = relay.process.stdout
@@ -191,3 +194,49 @@ def test_the_relay_writes_no_further_ahead_of_the_kernel_than_its_window(daemon:
         assert "".join(e.get("text", "") for e in events if e["type"] == "stream") == "z" * size
     finally:
         relay.close()
+
+
+def test_the_relay_hands_its_pipes_to_the_daemon_and_becomes_cat(daemon: Daemon) -> None:
+    relay = Relay(daemon)
+    try:
+        relay.send({"op": "info", "id": "r1"})
+        assert relay.line()["reply"] == "r1"  # served: by the daemon, on the pipes
+        pid = relay.process.pid
+        # The daemon serves as soon as it has the pipes; the relay becomes cat just after.
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}/cmdline").read_bytes() != b"cat\0" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert Path(f"/proc/{pid}/cmdline").read_bytes() == b"cat\0", "no Python stays in between"
+        assert os.readlink(f"/proc/{pid}/fd/0").startswith("socket:")
+        assert os.readlink(f"/proc/{pid}/fd/1") == "/dev/null", "only the daemon writes the kernel's stdout"
+    finally:
+        assert relay.close() == 0, "the relay ends when the kernel closes its stdin"
+
+
+def test_a_killed_relay_ends_its_channel_in_the_daemon_which_serves_the_next(daemon: Daemon) -> None:
+    relay = Relay(daemon)
+    relay.send({"op": "info", "id": "r1"})
+    assert relay.line()["reply"] == "r1"
+    relay.process.kill()
+    relay.process.wait(10)
+    out = relay.process.stdout
+    assert out is not None
+    # The daemon let go of the pipe it wrote (cat's copy is /dev/null): the kernel's
+    # stream reaches its end, as it would for a relay that died with its copy.
+    assert select.select([out], [], [], 10)[0] and out.read() == b""
+    fresh = Relay(daemon)
+    try:
+        fresh.send({"op": "info", "id": "r2"})
+        assert fresh.line()["reply"] == "r2"
+    finally:
+        fresh.close()
+
+
+def test_a_channel_request_without_the_pipes_is_refused(daemon: Daemon) -> None:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(os.path.join(daemon.dir, "runner.sock"))
+        sock.sendall(b'{"op": "channel"}\n')
+        answer = json.loads(sock.makefile("rb").readline())
+    assert answer["error"] == "ValueError: a channel comes with the relay's stdin and stdout"

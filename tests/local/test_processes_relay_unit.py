@@ -16,7 +16,7 @@ import pytest
 from sandbox_kernel.guest import agent as agent_package
 from sandbox_kernel.guest.agent.agent import frame
 from sandbox_kernel.guest.agent.processes import CHUNK_OVERHEAD, READ_CHUNK, WINDOW_BYTES, data_frame
-from sandbox_kernel.guest.runner.client import CHANNEL_WINDOW
+from sandbox_kernel.guest.protocol import CHANNEL_WINDOW
 from sandbox_kernel.local import processes
 
 

@@ -42,6 +42,7 @@ class ScriptedProcess:
         self.status_fails = 0  # the next this many reads of the sandbox's status fail at once
         self.relays: list[list[str]] = []  # the arguments of every relay started
         self.killed_at_start = 0  # the next this many relays are killed before they write
+        self.input_refused = 0  # the next this many sends are refused (409), as to a relay whose reader died
         self._changed = asyncio.Condition()
 
     async def write(self, data: bytes) -> None:
@@ -115,6 +116,9 @@ class ScriptedProcess:
                                             **extra})
 
     async def send(self, process_id: str, data: bytes) -> None:
+        if self.input_refused:
+            self.input_refused -= 1
+            raise ConflictError("stdin: Broken pipe", status_code=409)
         self.sent.append(data)
         request = json.loads(data)
         if "ack" not in request:
@@ -129,6 +133,14 @@ class ScriptedProcess:
             self.status_fails -= 1
             raise APITransportError("connection refused")
         return self.sandbox_status == "paused"
+
+
+async def _until(condition: Callable[[], bool], within: float = 10.0) -> None:
+    """Wait for `condition` (a state the code under test reaches), failing after `within` s."""
+    async def poll() -> None:
+        while not condition():
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(poll(), within)
 
 
 def printing_cell(lines: int) -> Events:
@@ -265,6 +277,26 @@ async def test_the_relay_ending_fails_the_cell_with_its_last_words() -> None:
     assert not channel.alive
 
 
+async def test_a_cell_its_relay_refused_is_sent_by_the_next_relay_or_fails_with_the_channel() -> None:
+    """The daemon reads the relay's stdin itself: once it died, the cell's input is refused
+    (409) and the relay ends without a word. The cell waits for what the reader makes of
+    that, not failing with the refusal: a new relay, sent the cell again, whose daemon is
+    not there either, so the channel ends as a runner death."""
+    process, recorder = ScriptedProcess(lambda request: []), Recorder()
+    channel = await open_channel(process, recorder)
+    process.input_refused = 1
+    cell = asyncio.ensure_future(run(channel, recorder))
+    await _until(lambda: not process.input_refused)
+    await process.exit(b"", exit_code=0)
+    await _until(lambda: len(process.relays) == 2 and bool(process.sent) or cell.done())
+    assert not cell.done(), "the cell did not fail with its relay's refusal"
+    assert json.loads(process.sent[-1])["op"] == "run", "the new relay was sent the cell"
+    await process.exit(b'{"error": "daemon unreachable: [Errno 111] Connection refused"}\n', exit_code=1)
+    with pytest.raises(RunnerTransportError) as failure:
+        await cell
+    assert failure.value.runner_gone and "daemon unreachable" in str(failure.value)
+
+
 async def test_a_relay_killed_mid_cell_is_replaced_and_the_cell_goes_on() -> None:
     """The relay killed in a cell: its daemon lives on, so does the cell."""
     def respond(request: dict[str, Any]) -> list[dict[str, Any]]:
@@ -357,11 +389,6 @@ async def test_a_paused_sandbox_keeps_the_cell_waiting_until_it_resumes() -> Non
     process.sandbox_status = "running"
     await asyncio.wait_for(run(channel, recorder), 10)
     await channel.close()
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)
 
 
 async def test_two_cells_in_flight_each_get_their_own_events_and_done() -> None:

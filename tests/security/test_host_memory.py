@@ -4,8 +4,8 @@ then that the peak memory of the kernel and the engine grew by less than a state
 
 The runner's client (runner_setup.RUNNER_CLIENT_PATH) lives where sandbox code can
 write, so the kernel does not trust it: every line it reads is bounded, and buffered exec
-output is capped by the engine. The same holds for the channel's relay (a running
-client.py channel), whose stdout any code in the sandbox can write to.
+output is capped by the engine. The same holds for the channel's stdout (the relay's, which
+the runner daemon writes), which any code in the sandbox can write to.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from memory_probe import MIB, memory_growth
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
 from sandbox_kernel.local.server import MAX_BUFFERED_OUTPUT
 from sandbox_kernel.local.service import EngineEndpoint
-from sandbox_kernel.sandbox.runner_setup import RUNNER_CLIENT_CODE, RUNNER_CLIENT_PATH
+from sandbox_kernel.sandbox.runner_setup import RUNNER_CLIENT_PATH
 
 pytestmark = [pytest.mark.slow, ONCE]
 
@@ -79,23 +79,34 @@ def channel_kernel(kernelspec: str) -> Iterator[tuple[KernelManager, BlockingKer
         yield pair
 
 
-# Writes N MiB of 'x' into the channel relay's stdout, then a newline: what any code in the
-# sandbox can put on the kernel's channel.
-RELAY_FLOOD = f"CLIENT_CODE = {RUNNER_CLIENT_CODE.encode()!r}\n" + """
+# Writes N MiB of 'x' into the channel's stdout, then a newline: what any code in the sandbox
+# can put on the kernel's channel. The daemon writes the channel itself, on the pipe the
+# relay handed it: the one write-only pipe of this process that is not fd 1 or 2's.
+RELAY_FLOOD = """
 import os
-def relay():
-    for pid in filter(str.isdigit, os.listdir('/proc')):
+def channel_fd():
+    def pipe(fd):
+        target = os.readlink('/proc/self/fd/%d' % fd)
+        return target if target.startswith('pipe:') else None
+    captured = set([pipe(1), pipe(2)])
+    found = []
+    for name in os.listdir('/proc/self/fd'):
+        fd = int(name)
         try:
-            argv = open('/proc/%s/cmdline' % pid, 'rb').read().split(b'\\0')
+            target = pipe(fd)
+            flags = int(open('/proc/self/fdinfo/%d' % fd).read().split('flags:')[1].split()[0], 8)
         except OSError:
             continue
-        if any(arg == CLIENT_CODE for arg in argv) and b'channel' in argv:
-            return pid
-with open('/proc/%s/fd/1' % relay(), 'wb', buffering=0) as out:
-    block = b'x' * (1 << 20)
-    for _ in range({mib}):
-        out.write(block)
-    out.write(b'\\n')
+        if fd > 2 and target and target not in captured and flags & os.O_ACCMODE == os.O_WRONLY:
+            found.append(fd)
+    [fd] = found
+    return fd
+out = os.fdopen(os.dup(channel_fd()), 'wb', buffering=0)
+block = b'x' * (1 << 20)
+for _ in range({mib}):
+    out.write(block)
+out.write(b'\\n')
+out.close()
 print('the cell ran')
 """
 

@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Callable
 
-# Retained output per process: the kernel's relay writes at most runner/client.CHANNEL_WINDOW
+# Retained output per process: the runner writes a channel at most protocol.CHANNEL_WINDOW
 # (7.5 MiB) ahead of the kernel's acknowledgements, which must stay within it. Charged to
 # the sandbox's memory (at most MAX_PROCESSES windows), and only as far as a process's
 # output fills it. 8 MiB, not 4: half as many acknowledgements in a long print, each an API

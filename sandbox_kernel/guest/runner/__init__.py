@@ -6,15 +6,15 @@ time in its main thread (with IPython when importable, ipython.py; with a small 
 engine otherwise, plain.py), those of each kernel subshell in a thread of that subshell
 (loop.py), and keeps every output event of a cell in memory (cells.py), so a client can
 read them again from any seq. Its clients talk to it over ``DIR/runner.sock``: the
-kernel's relay (``client.py channel DIR``, one connection for the kernel's lifetime that
-carries many requests and tagged events, channel.py) or short-lived ``client.py
+kernel's relay (``client.py channel DIR``, which hands the daemon its stdin and stdout:
+the channel for the kernel's lifetime, many requests and tagged events, channel.py) or short-lived ``client.py
 run|request DIR B64`` execs (one request, NDJSON answer, connection closed).
 
 The modules: daemon.py (the daemon and its table of request handlers), wire.py (the lines
 it writes), cells.py (a cell's events, the between-cell log, output budgets), output.py
 (where output goes), bridges.py (input() and comms), loop.py (event loops, subshells),
 plain.py and ipython.py (the two engines), environment.py (the sandbox's Python
-environment), channel.py (a relay's connection), usage.py (CPU and memory), fork.py (the
+environment), channel.py (the kernel's channel, on a relay's pipes), usage.py (CPU and memory), fork.py (the
 fork op), debug.py (debugpy), client.py (the light client and relay). The words of the
 protocol: ../protocol.py. Standard library only (IPython, debugpy and comm are used where
 the sandbox has them), Python 3.8+.

@@ -7,14 +7,12 @@
 so that it comes from the bytecode the daemon writes as it starts: a script is compiled at
 every start, and what the compiler used would stay in the relay's heap, 0.4 MiB.)
 
-`channel` is the relay of the kernel's duplex channel (sandbox_kernel/sandbox/channel.py): started
-once as a managed process, it holds one connection to the daemon for the kernel's lifetime,
-copies each stdin line (a request) to it and everything it sends (tagged events, replies)
-to stdout. Stdout is flow-controlled: at most CHANNEL_WINDOW bytes are written ahead of
-the kernel's acknowledgements (stdin lines `{"ack": BYTES}`, the stdout bytes it has
-received), so the service's retained output window, which a slow reader would fall out
-of, always holds what the kernel has not read yet. When the daemon closes the channel
-(it died), the relay says so in one {"error": ...} line and exits 1.
+`channel` starts the relay of the kernel's duplex channel (sandbox_kernel/sandbox/channel.py),
+a managed process: it connects to the daemon, passes it its stdin and stdout with the
+channel request, and once the daemon has them it becomes `cat` of that connection, living
+as long as the daemon's side of it. The daemon itself reads the kernel's requests from that
+stdin and writes the events to that stdout, flow-controlled (runner/channel.py). A daemon
+that cannot be reached or refuses is said in one {"error": ...} line, exit status 1.
 
 Part of the runner's bundle, but run by path or imported under its bare name, never importing its package:
 where the sandbox has no managed processes the kernel starts it through the exec API for
@@ -33,7 +31,6 @@ status 1, so the kernel always has JSON to parse. Must run on Python 3.8+.
 """
 
 import _socket
-import _thread
 import posix
 import sys
 
@@ -41,12 +38,8 @@ import sys
 SOCKET_NAME = "runner.sock"  # daemon.SOCKET_NAME
 COMMANDS = ("run", "request")
 USAGE = b"usage: client.py run|request DIR B64JSON | channel DIR [BACKGROUND_AFTER]\n"
-# Under the local engine's 8 MiB retained window per process, with room for one whole
-# chunk beyond it (a 256 KiB read) and the per-chunk cost. Each acknowledgement is an API
-# call through kernel, engine and agent: a wider window makes fewer of them (a 20 MiB
-# print: 6 with 7.5 MiB, 12 with 3.5 MiB, 53 with 768 KiB).
-CHANNEL_WINDOW = 7680 * 1024
-ACK_PREFIX = b'{"ack": '
+TAKEN = b'{"channel": "taken"}'  # the daemon's answer once it has our pipes (protocol.CHANNEL_TAKEN)
+CAT = ("/bin/cat", "/usr/bin/cat")
 
 
 def main(argv: list) -> int:
@@ -122,75 +115,40 @@ def relay(sock, out) -> tuple:
     return first, last
 
 
-class Credit:
-    """How many more bytes the relay may write before the kernel acknowledges some."""
-
-    def __init__(self) -> None:
-        self.written = 0
-        self.acked = 0
-        self._gate = _thread.allocate_lock()
-        self._gate.acquire()  # released by each acknowledgement, to wake a waiting writer
-
-    def wait(self) -> int:
-        """Bytes that may be written now (> 0), waiting for an acknowledgement if none."""
-        while True:
-            room = CHANNEL_WINDOW - (self.written - self.acked)
-            if room > 0:
-                return room
-            self._gate.acquire(True, 0.5)
-
-    def ack(self, received: int) -> None:
-        self.acked = max(self.acked, min(received, self.written))
-        try:
-            self._gate.release()
-        except RuntimeError:  # not held: nobody is waiting
-            pass
-
-
 def channel(state_dir: str, background_after) -> int:
+    """Hand this process's stdin and stdout to the daemon, which serves the kernel's channel
+    on them (runner/channel.py), then live exactly as long as the daemon's side of the
+    connection: this process is the kernel's handle on the channel at the service."""
     out = sys.stdout.buffer
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    request = (b'{"op": "channel"}\n' if background_after is None else
+               b'{"op": "channel", "background_after": %d}\n' % background_after)
+    pipes = (0).to_bytes(4, sys.byteorder) + (1).to_bytes(4, sys.byteorder)
     try:
         sock.connect(state_dir + "/" + SOCKET_NAME)
-        sock.sendall(b'{"op": "channel"}\n' if background_after is None else
-                     b'{"op": "channel", "background_after": %d}\n' % background_after)
+        sock.sendmsg([request], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pipes)])
+        answer = sock.recv(4096)
     except OSError as exc:
         return error(out, "daemon unreachable: %s" % exc)
-    credit = Credit()
-    _thread.start_new_thread(forward_requests, (sock, credit))
-    while True:
+    if not answer.startswith(TAKEN):
+        return error(out, "the runner daemon refused the channel: %s" % answer[:200].decode("ascii", "replace"))
+    # Ours no more: the daemon alone writes the kernel's stdout now, and reads its stdin.
+    # cat reads the connection, which the daemon never writes to, so it ends when the
+    # daemon closes it or dies: the kernel then sees this process end without a word,
+    # and a new relay finds out whether the daemon is there.
+    null = posix.open("/dev/null", posix.O_WRONLY)
+    posix.dup2(sock.fileno(), 0)
+    posix.dup2(null, 1)
+    posix.close(null)
+    sock.close()
+    for cat in CAT:
         try:
-            data = sock.recv(1 << 18)  # as much as the agent reads at once (its READ_CHUNK)
+            posix.execv(cat, ["cat"])
         except OSError:
-            data = b""
-        if not data:
-            break
-        while data:
-            room = credit.wait()
-            out.write(data[:room])
-            out.flush()
-            credit.written += min(room, len(data))
-            data = data[room:]
-    out.write(b"\n")  # after a partial line, if the daemon died while sending one
-    return error(out, "the runner daemon closed the channel")
-
-
-def forward_requests(sock, credit: Credit) -> None:
-    """Stdin lines to the daemon, but acknowledgements to the credit; EOF ends the relay."""
-    requests = sys.stdin.buffer
-    while True:
-        line = requests.readline()
-        if not line:
-            posix._exit(0)  # the kernel is done with this channel
-        if line.startswith(ACK_PREFIX):
-            digits = line[len(ACK_PREFIX):].rstrip(b"}\r\n ")
-            if digits.isdigit():
-                credit.ack(int(digits))
-            continue
-        try:
-            sock.sendall(line)
-        except OSError:
-            return  # the daemon is gone: the main thread reports it
+            pass
+    while posix.read(0, 4096):  # no cat in this sandbox: wait here instead
+        pass
+    return 0
 
 
 def error(out, message: str) -> int:

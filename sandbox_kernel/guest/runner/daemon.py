@@ -110,6 +110,7 @@ class Daemon:
         self._loop: asyncio.AbstractEventLoop  # the main thread's (_main_loop)
         self._server: socket.socket | None = None
         self._connections: set = set()  # open client connections (a forked child closes its copies)
+        self._channels: set = set()  # the relays' channels (a forked child closes their pipes)
         self.registration_path: str | None = None
         self._usage = UsageMeter()
         # Set once the engine, its bridges and the debugger exist: the ready file comes
@@ -383,15 +384,17 @@ class Daemon:
 
     def _serve_request(self, connection: socket.socket) -> None:
         with connection:
+            fds: list = []
             try:
-                with connection.makefile("rb") as reader:
-                    request = json.loads(reader.readline())
-                    if not isinstance(request, dict):
-                        raise ValueError("the request must be a JSON object")
-                    op = request.get(protocol.OP)
-                    if op == protocol.CHANNEL:
-                        Channel(self, connection).serve(reader, request)
-                        return
+                line, fds = _receive_request(connection)
+                request = json.loads(line)
+                if not isinstance(request, dict):
+                    raise ValueError("the request must be a JSON object")
+                op = request.get(protocol.OP)
+                if op == protocol.CHANNEL:
+                    self._serve_channel(connection, request, fds)
+                    fds = []  # closed by the channel
+                    return
                 if op == protocol.RUN:
                     self._stream(connection, request)
                     return
@@ -406,6 +409,23 @@ class Daemon:
                     connection.sendall(encode_line({protocol.ERROR: "%s: %s" % (type(exc).__name__, exc)}))
                 except OSError:
                     pass
+            finally:
+                for fd in fds:  # passed with a request that takes none
+                    os.close(fd)
+
+    def _serve_channel(self, connection: socket.socket, request: dict, fds: list) -> None:
+        """A relay's channel, on the relay's stdin and stdout (passed with the request)."""
+        if len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            raise ValueError("a channel comes with the relay's stdin and stdout")
+        channel = Channel(self, connection, *fds)
+        self._channels.add(channel)
+        try:
+            connection.sendall(encode_line({protocol.CHANNEL: protocol.CHANNEL_TAKEN}))
+            channel.serve(request)
+        finally:
+            self._channels.discard(channel)
 
     def _stream(self, connection: socket.socket, request: dict) -> None:
         """Send a cell's events with seq > after, until done or ``wait`` seconds."""
@@ -547,6 +567,9 @@ class Daemon:
         for connection in list(self._connections):  # the parent's clients (and the fork request)
             _close_socket(connection)
         self._connections = set()
+        for channel in list(self._channels):
+            channel.abandon()
+        self._channels = set()
         if self._server is not None:
             _close_socket(self._server)
             self._server = None
@@ -616,6 +639,35 @@ def _close_socket(sock: socket.socket) -> None:
             os.close(fd)
     except OSError:
         pass
+
+
+# A request's first read: room for the two descriptors a relay passes with its channel request.
+_FDS_SPACE = socket.CMSG_SPACE(2 * 4)
+_REQUEST_LIMIT = 1 << 20  # a request line longer than this is refused (large code comes as a file)
+
+
+def _receive_request(connection: socket.socket) -> "tuple[bytes, list]":
+    """A client's request line, and the descriptors that came with it (close-on-exec: a
+    cell's subprocesses must not inherit a channel's pipes)."""
+    data, ancillary, _, _ = connection.recvmsg(1 << 16, _FDS_SPACE, socket.MSG_CMSG_CLOEXEC)
+    fds: list = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % 4
+            fds.extend(int.from_bytes(payload[at:at + 4], sys.byteorder) for at in range(0, usable, 4))
+    try:
+        while b"\n" not in data:
+            if len(data) > _REQUEST_LIMIT:
+                raise ValueError("request line too long")
+            more = connection.recv(1 << 16)
+            if not more:
+                break
+            data += more
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return data.split(b"\n", 1)[0], fds
 
 
 def _checked_cell_id(cell_id: object) -> str:
