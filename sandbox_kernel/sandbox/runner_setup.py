@@ -117,17 +117,35 @@ def watched(daemon: str, record: str, warden: str = WARDEN_PATH, python: str = S
 @functools.cache
 def bundle_tar(files: tuple[tuple[str, Path], ...]) -> bytes:
     """The runner's files (path under the runner's directory, file on the host) as one tar
-    file of plain regular files, made once per process."""
+    file of plain regular files, made once per process.
+
+    With each module goes the host's bytecode of it, where the host has it (an installed
+    package does), and the module keeps its modification time, which that bytecode names:
+    a sandbox with the host's Python (the local engine's) imports it instead of compiling
+    the runner at its first start (tens of ms before the runner is ready, and what the
+    compiler used stays in the daemon's heap). Another Python ignores it (its cache tag
+    differs) and one that finds it stale compiles, as without it."""
+    import importlib.util
     import tarfile  # only for a new runner's upload: a kernel on a pooled sandbox makes none
 
     archive = io.BytesIO()
     with tarfile.open(fileobj=archive, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for path, source in files:
-            data = Path(source).read_bytes()
-            member = tarfile.TarInfo(path)
-            member.size, member.mode = len(data), 0o644
-            tar.addfile(member, io.BytesIO(data))
+            modified = int(Path(source).stat().st_mtime)
+            _add_file(tar, path, Path(source).read_bytes(), modified)
+            cached = Path(importlib.util.cache_from_source(str(source))) if path.endswith(".py") else None
+            if cached is not None and cached.is_file():
+                _add_file(tar, posixpath.join(posixpath.dirname(path), "__pycache__", cached.name),
+                          cached.read_bytes(), modified)
     return archive.getvalue()
+
+
+def _add_file(tar: Any, path: str, data: bytes, modified: int) -> None:
+    import tarfile
+
+    member = tarfile.TarInfo(path)
+    member.size, member.mode, member.mtime = len(data), 0o644, modified
+    tar.addfile(member, io.BytesIO(data))
 
 
 @dataclass(frozen=True)
