@@ -121,7 +121,7 @@ async def measure(env: BenchEnv, count: int, interval: float, seconds: float) ->
                  [size / MIB for size in sandbox.role_pss["runner"]])
     agent = Row("of which the agent (the local engine's, in every sandbox)", "MiB",
                 [size / MIB for size in sandbox.role_pss["agent"]])
-    helpers = Row("of which the runner's warden (a waiting shell) and the kernel's relay (a bare Python)", "MiB",
+    helpers = Row("of which the runner's warden (a waiting shell) and the kernel's relay (cat, once the runner has its pipes)", "MiB",
                   [(warden + relay) / MIB for warden, relay in zip(sandbox.role_pss["warden"],
                                                                    sandbox.role_pss["relay"])])
     host = Row("memory of the sandbox kernel's own process on the host, PSS (vs plain ipykernel)",
