@@ -8,6 +8,7 @@ from __future__ import annotations
 import codecs
 import contextvars
 import io
+import math
 import os
 import select
 import threading
@@ -119,6 +120,7 @@ class OutputRouter:
         self._pending_parent: str | None = None
         self._pending_sink: "Cell | BackgroundLog | None" = None
         self._last_flush = 0.0  # when the flusher or an explicit flush last sent pending text
+        self._flush_due = math.inf  # when the flusher sends text an explicit flush left to it
         self._pending: list[str] = []
         self._pending_size = 0
         self._pid = os.getpid()  # a process forked by cell code (multiprocessing) is not this one
@@ -306,25 +308,41 @@ class OutputRouter:
     def flush_now(self) -> None:
         """An explicit flush (``print(..., flush=True)``): the pending text goes at once, as
         under ipykernel, unless an event went less than FLUSH_INTERVAL ago; then the flusher
-        thread sends it at the interval's end, so a loop that flushes every line is still
+        thread sends it when that interval ends, so a loop that flushes every line is still
         at most one event per interval."""
         with self._lock:
+            if not self._pending:
+                return
             if time.monotonic() - self._last_flush >= self.FLUSH_INTERVAL:
                 self._flush()
                 self._last_flush = time.monotonic()
+            else:
+                # At the interval's end, not a whole interval after the text came: a print
+                # loop's line that came a little early waited out 10 ms more.
+                self._flush_due = self._last_flush + self.FLUSH_INTERVAL
+                self._has_pending.notify()
 
     def _flush_forever(self) -> None:
         # Unflushed text waits out the interval: a tight print loop is one event per interval,
         # and the prints of a quick cell are one output, as ipykernel's batching makes them
         # (a saved notebook's outputs do not depend on which kernel ran it).
-        while True:
-            with self._has_pending:
+        with self._has_pending:
+            while True:
                 while not self._pending:
                     self._has_pending.wait()
-            time.sleep(self.FLUSH_INTERVAL)
-            with self._lock:
-                self._flush()
-                self._last_flush = time.monotonic()
+                due = time.monotonic() + self.FLUSH_INTERVAL
+                while self._pending and time.monotonic() < min(due, self._flush_due):
+                    self._has_pending.wait(min(due, self._flush_due) - time.monotonic())
+                self._flush_round()
+
+    def _flush_round(self) -> None:
+        """The end of a flusher's wait (the lock held): the pending text, unless an explicit
+        flush sent it meanwhile. Only an event sent starts a new interval: an empty round that
+        did held the next line of a print loop 10 ms."""
+        if self._pending:
+            self._flush()
+            self._last_flush = time.monotonic()
+        self._flush_due = math.inf
 
     def _read_fds_forever(self) -> None:
         while True:
