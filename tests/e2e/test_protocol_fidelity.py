@@ -182,6 +182,25 @@ def test_cells_run_on_an_event_loop(kc: BlockingKernelClient) -> None:
         "(True, True)"
 
 
+def test_an_error_whose_traceback_display_is_interrupted_is_still_named(
+        kernel: tuple[KernelManager, BlockingKernelClient]) -> None:
+    """IPython prints only "KeyboardInterrupt" when an interrupt lands while it shows an error
+    (under load: a second interrupt while it formats the first one's CancelledError), and
+    shows no error: the reply still names the error, as ipykernel's does. The interrupt is
+    made to land there by a display that raises it."""
+    _, kc = kernel
+    run(kc, "def _cut_short(*args):\n    raise KeyboardInterrupt\nget_ipython()._showtraceback = _cut_short")
+    try:
+        cut = run(kc, "raise ValueError('the error')")
+    finally:
+        run(kc, "del get_ipython()._showtraceback")
+    assert "KeyboardInterrupt" in cut.text("stderr"), "the display was cut short"
+    assert [error["ename"] for error in cut.of_type("error")] == ["ValueError"]
+    assert (cut.reply["content"]["status"], cut.reply["content"]["ename"], cut.reply["content"]["evalue"]) == \
+        ("error", "ValueError", "the error")
+    assert run(kc, "1 / 0").reply["content"]["ename"] == "ZeroDivisionError", "the display is back"
+
+
 def test_an_interrupt_cancels_an_awaiting_cell(kernel: tuple[KernelManager, BlockingKernelClient]) -> None:
     km, kc = kernel
 
@@ -190,7 +209,7 @@ def test_an_interrupt_cancels_an_awaiting_cell(kernel: tuple[KernelManager, Bloc
             km.interrupt_kernel()
 
     messages: list[dict[str, Any]] = []
-    reply = kc.execute_interactive("print('waiting', flush=True)\nawait asyncio.sleep(600)",
+    reply = kc.execute_interactive("import asyncio\nprint('waiting', flush=True)\nawait asyncio.sleep(600)",
                                    output_hook=lambda m: (messages.append(m), interrupt_once_waiting(m)),
                                    timeout=TIMEOUT)
     assert reply["content"]["status"] == "error"

@@ -34,6 +34,7 @@ class IPythonEngine:
 
         self.ipython_version = IPython.__version__
         self._count = 0
+        self._emit = router.emit
         self.shell = _build_shell(router.emit, lambda: self._count, parents)
 
     def reset_after_fork(self) -> None:
@@ -62,6 +63,7 @@ class IPythonEngine:
         self._count = count
         shell = self.shell
         shell.displayhook_failed = False
+        shell.error_shown = False
         if _may_await(code):
             result = await self._run_maybe_async(code, silent, store_history)
         else:
@@ -70,6 +72,12 @@ class IPythonEngine:
             # (for a four-line print loop, 0.19 ms to transform and 0.05 ms to compile,
             # timed outside the sandbox).
             result = shell.run_cell(code, store_history=store_history, silent=silent)
+        error = result.error_before_exec or result.error_in_exec
+        if error is not None and not shell.error_shown:
+            # Its traceback's display was cut short (IPython prints just "KeyboardInterrupt"
+            # when a second interrupt lands while it formats the first error): the error is
+            # still said, named from the exception, as ipykernel names it whatever its display did.
+            self._emit(protocol.ERROR_EVENT, ename=type(error).__name__, evalue=_text_of(error), traceback=[])
         # An error formatting the cell's result fails the cell, as under ipykernel.
         return result.success and not shell.displayhook_failed
 
@@ -126,6 +134,14 @@ class IPythonEngine:
             return {"found": False, "data": {}, "metadata": {}}
         bundle.pop("text/html", None)  # like ipykernel without an HTML pager
         return {"found": True, "data": bundle, "metadata": {}}
+
+
+def _text_of(error: BaseException) -> str:
+    """str(error), or "" where that fails (or is interrupted) again."""
+    try:
+        return str(error)
+    except BaseException:  # noqa: BLE001 - a user's __str__ may raise anything, KeyboardInterrupt too
+        return ""
 
 
 def _may_await(code: str) -> bool:
@@ -201,6 +217,7 @@ def _build_shell(emit, current_count, parents: ParentRequests):
             # without a frontend, say): drop every frame of the runner's.
             user_frames = [entry for entry in stb if OWN_FILES not in re.sub(r"\x1b\[[0-9;]*m", "", entry)]
             emit(protocol.ERROR_EVENT, ename=etype.__name__, evalue=str(evalue), traceback=user_frames)
+            self.error_shown = True
 
         def ask_exit(self):
             # exit()/quit() in a cell must not end the daemon; the frontend is told
