@@ -86,13 +86,16 @@ class Channel:
         self.open = True
 
     def serve(self, request: dict) -> None:
-        """Serve the channel until the kernel or the relay is done with it; its pipes are
-        closed on return (the daemon's connection too, by the caller)."""
-        background = self._daemon.router.background()
-        after = request.get(protocol.BACKGROUND_AFTER)  # absent: from now on
-        self._spawn(self._follow_background, background, after if is_int_at_least(after, 0) else background.newest)
-        self._spawn(self._follower, None)  # waiting before the first cell comes
+        """Tell the relay its pipes are taken, then serve the channel until the kernel or the
+        relay is done with it; the pipes are closed on return, whatever happened (the
+        daemon's connection too, by the caller)."""
         try:
+            self._connection.sendall(encode_line({protocol.CHANNEL: protocol.CHANNEL_TAKEN}))
+            background = self._daemon.router.background()
+            after = request.get(protocol.BACKGROUND_AFTER)  # absent: from now on
+            self._spawn(self._follow_background, background,
+                        after if is_int_at_least(after, 0) else background.newest)
+            self._spawn(self._follower, None)  # waiting before the first cell comes
             self._read_requests()
         finally:
             self.open = False

@@ -392,8 +392,8 @@ class Daemon:
                     raise ValueError("the request must be a JSON object")
                 op = request.get(protocol.OP)
                 if op == protocol.CHANNEL:
-                    self._serve_channel(connection, request, fds)
-                    fds = []  # closed by the channel
+                    pipes, fds = fds, []  # the channel's to close from here on
+                    self._serve_channel(connection, request, pipes)
                     return
                 if op == protocol.RUN:
                     self._stream(connection, request)
@@ -422,7 +422,6 @@ class Daemon:
         channel = Channel(self, connection, *fds)
         self._channels.add(channel)
         try:
-            connection.sendall(encode_line({protocol.CHANNEL: protocol.CHANNEL_TAKEN}))
             channel.serve(request)
         finally:
             self._channels.discard(channel)
