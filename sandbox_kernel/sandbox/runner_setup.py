@@ -32,10 +32,10 @@ log = logging.getLogger("sandbox_kernel.sandbox.runner_setup")
 RUNNER_DIR = "/tmp/sandbox-kernel"
 RUNNER_PATH = bundle.runner_path(RUNNER_DIR)
 RUNNER_CLIENT_PATH = bundle.client_path(RUNNER_DIR)
-# The client is imported, not run as a script: Python compiles a script at every start, and
-# what the compiler used stays in the process's heap, 0.4 MiB that the relay kept for as long
-# as its kernel; a module comes from the bytecode the daemon writes as it starts (a runner of
-# another version has the same client.py, with the same main).
+# The client is imported, not run as a script: Python compiles a script at every start, while
+# a module comes from bytecode (shipped with the bundle, or written by the first client that
+# imports it), and each relay start and each exec client of the exec path starts sooner (a
+# runner of another version has the same client.py, with the same main).
 RUNNER_CLIENT_CODE = (f"import sys; sys.path.insert(0, {posixpath.dirname(RUNNER_CLIENT_PATH)!r}); "
                       "sys.exit(__import__('client').main(sys.argv[1:]))")
 # Uploaded at every runner start as one tar file (one request, where its ~20 files were ~20):

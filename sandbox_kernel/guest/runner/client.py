@@ -4,8 +4,7 @@
     python3 -I -S client.py channel DIR [BACKGROUND_AFTER]
 
 (The kernel imports it and calls main rather than running the file, with these arguments,
-so that it comes from the bytecode the daemon writes as it starts: a script is compiled at
-every start, and what the compiler used would stay in the relay's heap, 0.4 MiB.)
+so that it comes from bytecode: a script is compiled at every start.)
 
 `channel` starts the relay of the kernel's duplex channel (sandbox_kernel/sandbox/channel.py),
 a managed process: it connects to the daemon, passes it its stdin and stdout with the

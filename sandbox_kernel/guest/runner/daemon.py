@@ -63,19 +63,6 @@ def main(argv: list[str]) -> int:
     return 2
 
 
-def _compile_the_light_client() -> None:
-    """Write the bytecode of client.py, which the kernel's relay imports, before the relay
-    starts (just after the ready file): a relay that compiled it itself would keep what the
-    compiler used in its heap, 0.4 MiB, for as long as its kernel. Where it cannot be written,
-    the relay compiles it."""
-    import py_compile
-
-    try:
-        py_compile.compile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "client.py"), doraise=True)
-    except (py_compile.PyCompileError, OSError):
-        pass
-
-
 def _import_after_ready() -> None:
     global asyncio, loop, plain, ipython
     import asyncio
@@ -150,7 +137,6 @@ class Daemon:
         # last steps (its channel to us, the frontend's kernel_info) overlap it, and its
         # requests wait for it here.
         self._start_serving()
-        _compile_the_light_client()
         _import_after_ready()
         _look_in_working_directory_first()
         self.engine = self._create_engine()
@@ -392,6 +378,8 @@ class Daemon:
                     raise ValueError("the request must be a JSON object")
                 op = request.get(protocol.OP)
                 if op == protocol.CHANNEL:
+                    if len(fds) != 2:
+                        raise ValueError("a channel comes with the relay's stdin and stdout")
                     pipes, fds = fds, []  # the channel's to close from here on
                     self._serve_channel(connection, request, pipes)
                     return
@@ -413,13 +401,9 @@ class Daemon:
                 for fd in fds:  # passed with a request that takes none
                     os.close(fd)
 
-    def _serve_channel(self, connection: socket.socket, request: dict, fds: list) -> None:
+    def _serve_channel(self, connection: socket.socket, request: dict, pipes: list) -> None:
         """A relay's channel, on the relay's stdin and stdout (passed with the request)."""
-        if len(fds) != 2:
-            for fd in fds:
-                os.close(fd)
-            raise ValueError("a channel comes with the relay's stdin and stdout")
-        channel = Channel(self, connection, *fds)
+        channel = Channel(self, connection, *pipes)
         self._channels.add(channel)
         try:
             channel.serve(request)
