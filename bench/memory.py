@@ -14,7 +14,6 @@ import contextlib
 import os
 from pathlib import Path
 
-
 KIB = 1024
 
 

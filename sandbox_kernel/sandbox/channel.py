@@ -261,7 +261,7 @@ class RunnerChannel:
 
     async def send(self, message: dict[str, Any]) -> None:
         """One request line (interrupt and input need no reply, nor the output stream)."""
-        line = (json.dumps(message) + "\n").encode()
+        line = _request_line(message)
         process_id = self.process_id
         try:
             await self.transport.send(process_id, line)
@@ -370,10 +370,10 @@ class RunnerChannel:
             if not reply.done():
                 reply.set_exception(RunnerTransportError("the relay to the runner was replaced; ask again"))
         for follow in list(self._cells.values()):
-            line = (json.dumps({**follow.request, protocol.AFTER: follow.last_seq}) + "\n").encode()
             # Refused if this relay ended already: its exit, read next, says why.
             with contextlib.suppress(ConflictError):
-                await self.transport.send(self.process_id, line)
+                await self.transport.send(self.process_id, _request_line({**follow.request,
+                                                                          protocol.AFTER: follow.last_seq}))
 
     async def _sandbox_paused(self) -> bool:
         try:
@@ -499,3 +499,8 @@ class RunnerChannel:
                 reply.set_exception(self.failure)
         if failure.runner_gone and self.on_runner_gone is not None:
             self.on_runner_gone(failure)
+
+
+def _request_line(message: dict[str, Any]) -> bytes:
+    """A request as the relay's stdin takes it: one JSON line."""
+    return (json.dumps(message) + "\n").encode()
