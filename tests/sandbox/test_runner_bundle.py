@@ -101,6 +101,34 @@ def test_the_upload_is_the_package_and_starts_as_one(tmp_path: Path) -> None:
     assert (Path(runner_bundle.runner_path(str(root))) / "__main__.py").relative_to(root).as_posix() in files
 
 
+def test_the_upload_carries_the_hosts_bytecode_which_the_sandbox_python_takes(tmp_path: Path) -> None:
+    """A module goes with the host's bytecode of it and its own modification time: unpacked
+    by tar (as the start does) and imported by the same Python, the bytecode is taken as it
+    is, not compiled again (Python would rewrite a stale one)."""
+    import py_compile
+    import sys
+
+    from sandbox_kernel.sandbox.runner_setup import bundle_tar
+
+    source = tmp_path / "host" / "pkg" / "light.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("ANSWER = 42\n")
+    os.utime(source, (1_700_000_000.5, 1_700_000_000.5))
+    compiled = Path(py_compile.compile(str(source), doraise=True))
+    sandbox = tmp_path / "sandbox"
+    sandbox.mkdir()
+    (tmp_path / "bundle.tar").write_bytes(bundle_tar.__wrapped__((("pkg/light.py", source),)))
+    subprocess.run(["tar", "-xf", str(tmp_path / "bundle.tar"), "-C", str(sandbox)], check=True)
+    shipped = sandbox / "pkg" / "__pycache__" / compiled.name
+    assert shipped.read_bytes() == compiled.read_bytes()
+    assert int((sandbox / "pkg" / "light.py").stat().st_mtime) == int(source.stat().st_mtime)
+    shipped_at = shipped.stat().st_mtime_ns
+    done = subprocess.run([sys.executable, "-c", "import light; print(light.ANSWER)"], cwd=sandbox / "pkg",
+                          capture_output=True, text=True, check=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
+    assert done.stdout == "42\n"
+    assert shipped.stat().st_mtime_ns == shipped_at, "the shipped bytecode was taken, not rewritten"
+
+
 def test_a_runner_that_reports_no_hash_runs_another_bundle() -> None:
     """A runner older than the hash reports none: it is another version, not ours."""
     assert runner_bundle.runs_this_bundle({runner_bundle.INFO_FIELD: runner_bundle.own_hash()})
