@@ -164,8 +164,11 @@ def test_a_fork_from_the_panel_opens_as_a_second_live_notebook_and_is_destroyed(
         assert api_view(engine, source).status.value == "paused"  # forks need a paused source
 
         fork.locator("[data-action='open']").click()
-        page.locator(".jp-NotebookPanel-toolbar .jp-KernelName", has_text="Python (sandbox)").last.wait_for()
         page.locator(".lm-TabBar-tab.lm-mod-current", has_text="sandbox-panel-fork.ipynb").wait_for()
+        # The new notebook's own toolbar names the kernel once it is on the fork's: until then
+        # it says "No Kernel", and a cell run then has JupyterLab start a kernel of its own in
+        # the session (a fresh sandbox; the fork's kernel is shut down), as for any notebook.
+        page.locator(".jp-NotebookPanel-toolbar .jp-KernelName:visible", has_text="Python (sandbox)").wait_for()
         page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']:visible").wait_for()
         # The fork's Python state came with it: the new notebook sees the first one's x.
         run_cell(page, "print('fork sees', x)")
