@@ -51,7 +51,6 @@ from sandbox_kernel.api.models import (
     ManagedProcess,
     NetworkRef,
     OutputWindow,
-    Page,
     Pagination,
     PatchSandboxRequest,
     ProcessAck,
@@ -77,6 +76,7 @@ from sandbox_kernel.api.models import (
     WaitScope,
     WireModel,
 )
+from sandbox_kernel.api.wire import WireError
 
 __all__ = [
     "SandboxClient",
@@ -103,6 +103,7 @@ __all__ = [
     "APITimeoutError",
     # models
     "WireModel",
+    "WireError",
     "SandboxStatus",
     "TRANSITIONAL",
     "TERMINAL",
@@ -147,6 +148,5 @@ __all__ = [
     "WaitScope",
     "ProcessOutputStream",
     "Pagination",
-    "Page",
     "FileUploadResponse",
 ]

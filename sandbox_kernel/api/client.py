@@ -27,7 +27,6 @@ from urllib.parse import quote, urlsplit
 import httpcore
 import httpx
 import pybase64
-import pydantic
 
 from sandbox_kernel.api.envelope import error_from_response, parse_response, protocol_error, unwrap_page
 from sandbox_kernel.api.errors import (
@@ -67,7 +66,9 @@ from sandbox_kernel.api.models import (
     Shape,
     StatusAck,
     WaitScope,
+    WireModel,
 )
+from sandbox_kernel.api.wire import WireError
 
 from sandbox_kernel import __version__ as _VERSION
 
@@ -106,8 +107,8 @@ MAX_FRAME_LINE = 4 * 1024 * 1024
 # after its key (no space): ProcessStream cuts the value out before parsing the rest.
 _DATA_KEY = '"data_base64"'
 
-M = TypeVar("M", bound=pydantic.BaseModel)
-F = TypeVar("F", bound=pydantic.BaseModel)
+M = TypeVar("M", bound=WireModel)
+F = TypeVar("F", bound=WireModel)
 
 
 def _backoff(attempt: int) -> float:
@@ -268,9 +269,9 @@ class _FrameStream(Generic[F]):
         if not isinstance(obj, dict):
             raise _BadFrame(f"stream line is not a JSON object: {line[:80]!r}")
         try:
-            return self.frame_model.model_validate(obj)
-        except pydantic.ValidationError as exc:
-            raise _BadFrame(f"invalid {self.kind} frame: {_validation_summary(exc)}") from None
+            return self.frame_model.from_wire(obj)
+        except WireError as exc:
+            raise _BadFrame(f"invalid {self.kind} frame: {exc.summary()}") from None
 
 
 class _BadFrame(Exception):
@@ -327,15 +328,6 @@ def _exec_body(
     request = ExecRequest(cmd=cmd, args=list(args or []), stdin=stdin or None, env=dict(env or {}) or None,
                           stream=stream or None)
     return request.to_wire()
-
-
-def _validation_summary(exc: pydantic.ValidationError) -> str:
-    """Field locations and messages only (never the input values)."""
-    parts = []
-    for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts)
 
 
 class SandboxClient:
@@ -564,10 +556,10 @@ class SandboxClient:
                 f"empty payload, expected {model.__name__}", method=method, path=self._prefix + path
             )
         try:
-            return model.model_validate(data)
-        except pydantic.ValidationError as exc:
+            return model.from_wire(data)
+        except WireError as exc:
             raise ProtocolError(
-                f"invalid {model.__name__}: {_validation_summary(exc)}", method=method, path=self._prefix + path
+                f"invalid {model.__name__}: {exc.summary()}", method=method, path=self._prefix + path
             ) from None
 
     async def _paginate(self, path: str, model: type[M], params: dict[str, Any] | None = None) -> list[M]:

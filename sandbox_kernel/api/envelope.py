@@ -17,7 +17,6 @@ import json
 from typing import Any, Iterable, Sequence
 
 import httpx
-from pydantic import BaseModel
 
 from sandbox_kernel.api.errors import (
     ProtocolError,
@@ -27,7 +26,7 @@ from sandbox_kernel.api.errors import (
     parse_retry_after,
     redact,
 )
-from sandbox_kernel.api.models import Pagination
+from sandbox_kernel.api.models import Pagination, WireModel
 
 __all__ = [
     "success",
@@ -53,9 +52,8 @@ LEGACY_LIST_KEYS = ("shapes", "templates", "disks")
 
 def to_jsonable(value: Any) -> Any:
     """Models -> their wire dicts (omitempty); lists/dicts converted recursively; anything else unchanged."""
-    if isinstance(value, BaseModel):
-        to_wire = getattr(value, "to_wire", None)
-        return to_wire() if callable(to_wire) else value.model_dump(mode="json", exclude_none=True)
+    if isinstance(value, WireModel):
+        return value.to_wire()
     if isinstance(value, (list, tuple)):
         return [to_jsonable(v) for v in value]
     if isinstance(value, dict):
@@ -277,7 +275,7 @@ def unwrap_page(data: Any) -> tuple[list[Any], Pagination | None]:
             pagination = None
             if isinstance(pag, dict):
                 try:
-                    pagination = Pagination.model_validate(pag)
+                    pagination = Pagination.from_wire(pag)
                 except ValueError:
                     raise ProtocolError("invalid pagination object") from None
             return items, pagination

@@ -1,16 +1,17 @@
-"""Wire-exact pydantic v2 models of the CreateOS Sandbox REST API (see createos-api.md).
+"""Wire-exact models of the CreateOS Sandbox REST API (see createos-api.md), on wire.py's base.
 
 Shared by the client and by the local engine's server, so they describe the wire in both directions:
 
 * field names are the snake_case wire keys;
-* unknown keys are ignored (``extra="ignore"``), as the Go control plane and the SDKs do;
-* optional fields default to None and are *omitted* when serialised ("omitempty"). Serialise with
-  :meth:`WireModel.to_wire` (``model_dump(mode="json", exclude_none=True)``), never with a bare ``model_dump()``.
+* unknown keys are ignored, as the Go control plane and the SDKs do;
+* optional fields default to None and are *omitted* when serialised ("omitempty", :meth:`WireModel.to_wire`).
   Two models differ: :class:`ForkSandboxRequest` sends every field that was explicitly set (an explicit ``False``,
   ``[]`` or ``{}`` is sent; unset or None is omitted) and :class:`EgressUpdate` always sends ``egress`` (null allowed);
 * timestamps are kept as the RFC3339 strings the server sent, so they round-trip byte-exact;
 * decoding is strict on enums: an unknown sandbox status fails validation (the client turns that into
   ``ProtocolError``, like the Python SDK).
+
+No pydantic here (wire.py says why); the local engine's server validates with it all the same.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from __future__ import annotations
 import re
 from datetime import datetime
 from enum import Enum
-from typing import Any, Dict, Generic, List, Optional, TypeVar, Union
+from typing import Any, ClassVar, Dict, List, Optional, Union
 
 import pybase64
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from sandbox_kernel.api.wire import WireModel, wire_field
 
 __all__ = [
     "WireModel",
@@ -67,7 +69,6 @@ __all__ = [
     "ProcessAck",
     "ProcessFrame",
     "Pagination",
-    "Page",
     "FileUploadResponse",
     "BandwidthView",
     "BandwidthRecharge",
@@ -82,16 +83,6 @@ AUTO_PAUSE_MAX_SECONDS = 86400
 
 # An integer that stays an integer on the wire, but tolerates a float (e.g. spawn_ms measured with a fraction).
 Number = Union[int, float]
-
-
-class WireModel(BaseModel):
-    """Base of all wire models: unknown keys ignored, omitempty serialisation via :meth:`to_wire`."""
-
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-    def to_wire(self) -> dict[str, Any]:
-        """The JSON-ready dict to send: None fields omitted (omitempty)."""
-        return self.model_dump(mode="json", exclude_none=True)
 
 
 class SandboxStatus(str, Enum):
@@ -211,7 +202,7 @@ class CreateSandboxRequest(WireModel):
     rootfs: Optional[str] = None
     name: Optional[str] = None
     networks: Optional[List[NetworkRef]] = None
-    disk_mib: Optional[int] = Field(default=None, ge=0)
+    disk_mib: Optional[int] = wire_field(None, ge=0)
     egress: Optional[List[str]] = None
     envs: Optional[dict[str, str]] = None
     ssh_pubkeys: Optional[List[str]] = None
@@ -220,9 +211,7 @@ class CreateSandboxRequest(WireModel):
     ingress_enabled: Optional[bool] = None
     disks: Optional[List[DiskMount]] = None
     region: Optional[str] = None
-    auto_pause_after_seconds: Optional[int] = Field(
-        default=None, ge=AUTO_PAUSE_MIN_SECONDS, le=AUTO_PAUSE_MAX_SECONDS
-    )
+    auto_pause_after_seconds: Optional[int] = wire_field(None, ge=AUTO_PAUSE_MIN_SECONDS, le=AUTO_PAUSE_MAX_SECONDS)
     bandwidth_quota_bytes: Optional[int] = None
 
 
@@ -293,9 +282,7 @@ class PatchSandboxRequest(WireModel):
     """Body of ``PATCH /v1/sandboxes/:id``; omitted = unchanged. ``disable_auto_pause=True`` clears the timeout."""
 
     ingress_enabled: Optional[bool] = None
-    auto_pause_after_seconds: Optional[int] = Field(
-        default=None, ge=AUTO_PAUSE_MIN_SECONDS, le=AUTO_PAUSE_MAX_SECONDS
-    )
+    auto_pause_after_seconds: Optional[int] = wire_field(None, ge=AUTO_PAUSE_MIN_SECONDS, le=AUTO_PAUSE_MAX_SECONDS)
     disable_auto_pause: Optional[bool] = None
 
 
@@ -313,7 +300,7 @@ class ForkSandboxRequest(WireModel):
     envs: Optional[dict[str, str]] = None
 
     def to_wire(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+        return {name: value for name, value in super().to_wire().items() if name in self.fields_set()}
 
 
 class DestroyResponse(StatusAck):
@@ -363,7 +350,7 @@ class EgressUpdate(WireModel):
     egress: Optional[List[str]] = None
 
     def to_wire(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")  # egress always present (null is meaningful)
+        return {"egress": None if self.egress is None else list(self.egress)}  # always present (null is meaningful)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -382,7 +369,7 @@ class BandwidthView(WireModel):
 
 
 class BandwidthRecharge(WireModel):
-    add_bytes: int = Field(ge=0)
+    add_bytes: int = wire_field(ge=0)
 
 
 class HostPublic(WireModel):
@@ -402,7 +389,7 @@ class ExecRequest(WireModel):
     EOF. ``env`` is added to the sandbox's create-time ``envs`` for this command only (it wins on a clash)."""
 
     cmd: str
-    args: List[str] = Field(default_factory=list)
+    args: List[str] = wire_field(default_factory=list)
     stdin: Optional[str] = None
     env: Optional[Dict[str, str]] = None
     stream: Optional[bool] = None
@@ -484,8 +471,8 @@ class WaitScope(str, Enum):
 
 
 class PtySize(WireModel):
-    rows: Optional[int] = Field(default=None, ge=1, le=1000)
-    cols: Optional[int] = Field(default=None, ge=1, le=1000)
+    rows: Optional[int] = wire_field(None, ge=1, le=1000)
+    cols: Optional[int] = wire_field(None, ge=1, le=1000)
 
 
 class CreateProcessRequest(WireModel):
@@ -504,7 +491,7 @@ class ProcessForeground(WireModel):
 
     pid: int
     cmd: str = ""
-    args: List[str] = Field(default_factory=list)
+    args: List[str] = wire_field(default_factory=list)
 
 
 class OutputWindow(WireModel):
@@ -527,14 +514,14 @@ class ManagedProcess(WireModel):
     exit_code: Optional[int] = None
     signal: Optional[str] = None  # the signal's name (e.g. "SIGKILL") when the leader was killed by one
     cmd: str = ""
-    args: List[str] = Field(default_factory=list)
+    args: List[str] = wire_field(default_factory=list)
     cwd: str = ""
     foreground: Optional[ProcessForeground] = None
-    output: OutputWindow = Field(default_factory=OutputWindow)
+    output: OutputWindow = wire_field(default_factory=OutputWindow)
 
 
 class ProcessList(WireModel):
-    processes: List[ManagedProcess] = Field(default_factory=list)
+    processes: List[ManagedProcess] = wire_field(default_factory=list)
 
 
 class ProcessInput(WireModel):
@@ -571,7 +558,7 @@ class ProcessFrame(WireModel):
     oldest_available_seq: Optional[int] = None
     # Local engine extension, on heartbeats: connections the egress rules refused so far.
     egress_denied_count: Optional[int] = None
-    _decoded: Optional[bytes] = PrivateAttr(default=None)  # never from the wire
+    _decoded: ClassVar[Optional[bytes]] = None  # never from the wire: set by with_data
 
     def with_data(self, data: bytes) -> ProcessFrame:
         """This frame, its output decoded already (by a reader that checked it so)."""
@@ -595,16 +582,6 @@ class Pagination(WireModel):
     limit: Optional[int] = None
     offset: Optional[int] = None
     count: Optional[int] = None
-
-
-T = TypeVar("T")
-
-
-class Page(WireModel, Generic[T]):
-    """The ``data`` of a paginated route: ``{data: [...], pagination: {total, limit, offset, count}}``."""
-
-    data: List[T]
-    pagination: Optional[Pagination] = None
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -17,11 +17,9 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-import pydantic
-
-from fastapi import FastAPI, Query, Request
+from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import MutableHeaders
@@ -181,8 +179,8 @@ class ProcessInputShortcut:
         if body is None:
             return  # the client went away
         try:
-            request = ProcessInput.model_validate_json(body)
-        except pydantic.ValidationError:
+            request = ProcessInput.from_wire(json.loads(body))
+        except ValueError:  # not JSON, or not an input: FastAPI's validation answers it
             await self.app(scope, _replaying(body, receive), send)
             return
         try:
@@ -300,10 +298,10 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     # -- sandboxes ---------------------------------------------------------------------
 
     @app.post("/v1/sandboxes")
-    async def create_sandbox(body: CreateSandboxRequest) -> JSONResponse:
+    async def create_sandbox(body: Annotated[CreateSandboxRequest, Body()]) -> JSONResponse:
         sandbox = await engine.create(body)
         view = sandbox.view()
-        return jsend(CreateSandboxResponse(**view.model_dump(exclude_none=True)))
+        return jsend(CreateSandboxResponse.from_wire(view.to_wire()))
 
     @app.get("/v1/sandboxes")
     async def list_sandboxes(status: str | None = None, limit: int = DEFAULT_PAGE,
@@ -320,7 +318,7 @@ def create_app(engine: Engine, token: str) -> FastAPI:
         return jsend(DestroyResponse(id=sandbox.id, status=sandbox.status))
 
     @app.patch("/v1/sandboxes/{sandbox_id}")
-    async def patch_sandbox(sandbox_id: str, body: PatchSandboxRequest) -> JSONResponse:
+    async def patch_sandbox(sandbox_id: str, body: Annotated[PatchSandboxRequest, Body()]) -> JSONResponse:
         return jsend(engine.patch(sandbox_id, body).view())
 
     # Asynchronous like CreateOS: answer `paused`/`running` if that is done within a moment
@@ -336,7 +334,8 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     # One child per call, answered once made (`running`, or `paused` if asked) if that takes
     # under ANSWER_FORKED_WITHIN, else in `forking`; the source must be paused and stays so.
     @app.post("/v1/sandboxes/{sandbox_id}/fork")
-    async def fork_sandbox(sandbox_id: str, body: ForkSandboxRequest | None = None) -> JSONResponse:
+    async def fork_sandbox(sandbox_id: str,
+                           body: Annotated[ForkSandboxRequest | None, Body()] = None) -> JSONResponse:
         child = engine.fork(sandbox_id, body or ForkSandboxRequest())
         return jsend((await engine.settled_soon(child, ANSWER_FORKED_WITHIN)).view())
 
@@ -347,7 +346,7 @@ def create_app(engine: Engine, token: str) -> FastAPI:
         return jsend(egress_view(engine.get(sandbox_id)))
 
     @app.put("/v1/sandboxes/{sandbox_id}/egress")
-    async def put_egress(sandbox_id: str, body: EgressUpdate) -> JSONResponse:
+    async def put_egress(sandbox_id: str, body: Annotated[EgressUpdate, Body()]) -> JSONResponse:
         return jsend(egress_view(engine.set_egress(sandbox_id, body.egress)))
 
     # Local engine extension: the destinations the sandbox asked for (`%egress learn`).
@@ -369,7 +368,7 @@ def create_app(engine: Engine, token: str) -> FastAPI:
         return jsend(bandwidth_view(engine.get(sandbox_id)))
 
     @app.post("/v1/sandboxes/{sandbox_id}/bandwidth/recharge")
-    async def recharge_bandwidth(sandbox_id: str, body: BandwidthRecharge) -> JSONResponse:
+    async def recharge_bandwidth(sandbox_id: str, body: Annotated[BandwidthRecharge, Body()]) -> JSONResponse:
         return jsend(bandwidth_view(engine.get(sandbox_id)))  # a no-op when unmetered (§7)
 
     # -- per-sandbox access tokens (§15.4) -------------------------------------------------
@@ -393,7 +392,7 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     # -- exec ----------------------------------------------------------------------------
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec")
-    async def exec_command(sandbox_id: str, body: ExecRequest,
+    async def exec_command(sandbox_id: str, body: Annotated[ExecRequest, Body()],
                            stream: bool = Query(False)) -> Response:
         engine.check_exec(sandbox_id, body.cmd, body.args, body.env)  # 400/404/409 before any stream starts
         if stream or body.stream:
@@ -406,10 +405,8 @@ def create_app(engine: Engine, token: str) -> FastAPI:
     # -- managed processes (processes.py) ----------------------------------------------
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes")
-    async def create_process(sandbox_id: str, body: CreateProcessRequest) -> JSONResponse:
-        request = body.model_dump(exclude_none=True)
-        if body.pty is not None:
-            request["pty"] = body.pty.model_dump(exclude_none=True)
+    async def create_process(sandbox_id: str, body: Annotated[CreateProcessRequest, Body()]) -> JSONResponse:
+        request = body.to_wire()
         request["env"] = {**engine.get(sandbox_id).envs, **(body.env or {})}
         return jsend(ManagedProcess(**await processes.call(engine, sandbox_id, "create", **request)))
 
@@ -434,7 +431,8 @@ def create_app(engine: Engine, token: str) -> FastAPI:
         return StreamingResponse(frames, media_type="application/x-ndjson")
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/input")
-    async def process_input(sandbox_id: str, process_id: str, body: ProcessInput) -> JSONResponse:
+    async def process_input(sandbox_id: str, process_id: str,
+                            body: Annotated[ProcessInput, Body()]) -> JSONResponse:
         # Taken by ProcessInputShortcut unless malformed: this answers the rest, as it did all.
         return await write_process_input(engine, sandbox_id, process_id, body)
 
@@ -444,12 +442,13 @@ def create_app(engine: Engine, token: str) -> FastAPI:
         return jsend(ProcessAck())
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/resize")
-    async def resize_process(sandbox_id: str, process_id: str, body: PtySize) -> JSONResponse:
+    async def resize_process(sandbox_id: str, process_id: str, body: Annotated[PtySize, Body()]) -> JSONResponse:
         await processes.call(engine, sandbox_id, "resize", id=process_id, rows=body.rows, cols=body.cols)
         return jsend(ProcessAck())
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/signal")
-    async def signal_process(sandbox_id: str, process_id: str, body: ProcessSignalRequest) -> JSONResponse:
+    async def signal_process(sandbox_id: str, process_id: str,
+                             body: Annotated[ProcessSignalRequest, Body()]) -> JSONResponse:
         await processes.call(engine, sandbox_id, "signal", id=process_id, signal=body.signal.value)
         return jsend(ProcessAck())
 

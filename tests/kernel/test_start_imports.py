@@ -19,6 +19,9 @@ DEFERRED = {
     # httpx's command-line client's dependencies (kernel/__main__.py keeps it out).
     "rich", "click",
 }
+# Never imported by the kernel's process: the wire models check JSON without pydantic
+# (api/wire.py), which only the local engine's server uses.
+NEVER = {"pydantic", "pydantic_core"}
 
 
 def test_the_kernel_starts_without_what_its_first_cell_does_not_need() -> None:
@@ -28,3 +31,4 @@ def test_the_kernel_starts_without_what_its_first_cell_does_not_need() -> None:
                 if line.startswith("import time:") and line.count("|") == 2}
     assert "sandbox_kernel.kernel.handlers" in imported  # the listing is the kernel's
     assert not DEFERRED & imported
+    assert not NEVER & imported

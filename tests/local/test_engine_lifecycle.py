@@ -219,8 +219,10 @@ async def test_patch_auto_pause_and_ingress(client: SandboxClient, sandbox: str,
     view = await client.patch_sandbox(sandbox, PatchSandboxRequest(disable_auto_pause=True))
     assert view.auto_pause_after_seconds is None
     for bad in (30, 86401):
-        with pytest.raises(BadRequestError):  # bypass the client-side check: the server says 400
-            await client.patch_sandbox(sandbox, PatchSandboxRequest.model_construct(auto_pause_after_seconds=bad))
+        unchecked = PatchSandboxRequest()
+        unchecked.auto_pause_after_seconds = bad  # past the client-side check: the server says 400
+        with pytest.raises(BadRequestError):
+            await client.patch_sandbox(sandbox, unchecked)
     with pytest.raises(BadRequestError) as caught:
         await client.patch_sandbox(sandbox, PatchSandboxRequest(ingress_enabled=True))
     assert "ingress is not supported by the local engine" in caught.value.user_message()

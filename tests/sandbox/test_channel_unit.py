@@ -98,7 +98,7 @@ class ScriptedProcess:
                 await self._changed.wait_for(lambda: len(self.output) > seq or self.exit_frame is not None
                                              or self.sandbox_status == "destroyed")
             if self.sandbox_status == "destroyed":
-                yield ProcessFrame.model_validate({"type": "error", "error": "the sandbox ended"})
+                yield ProcessFrame.from_wire({"type": "error", "error": "the sandbox ended"})
                 return
             if len(self.output) > seq:
                 if cut is not None and sent >= cut:
@@ -107,11 +107,11 @@ class ScriptedProcess:
                 sent += 1
                 yield self._data(seq)
             else:
-                yield ProcessFrame.model_validate(self.exit_frame)
+                yield ProcessFrame.from_wire(self.exit_frame)
                 return
 
     def _data(self, seq: int, **extra: Any) -> ProcessFrame:
-        return ProcessFrame.model_validate({"type": "data", "seq": seq, "stream": "stdout",
+        return ProcessFrame.from_wire({"type": "data", "seq": seq, "stream": "stdout",
                                             "data_base64": base64.b64encode(self.output[seq - 1]).decode(),
                                             **extra})
 
