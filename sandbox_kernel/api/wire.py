@@ -11,14 +11,17 @@ which only the server's process ever asks.
 A model's fields are its class annotations (a name starting with ``_`` or a ClassVar is none);
 a class attribute is the field's default, or a :func:`wire_field` with a default factory or
 bounds. Making a model, ``Model(**values)`` or ``Model.from_wire(json_object)``, checks every
-value as pydantic's lax mode would for JSON input (an int for an int, a whole float too; the
-value of an enum; a nested object for a nested model), ignores unknown keys and raises
+value, leniently where pydantic was (an int field takes a whole float or a string of digits, a
+number field a numeric string), strictly elsewhere (a bool for a bool, a string for a string,
+an enum's value, an object for a nested model); it ignores unknown keys and raises
 :class:`WireError` naming every field that is wrong (never its value).
 """
 
 from __future__ import annotations
 
 import enum
+import math
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -95,7 +98,7 @@ class WireModel:
     _fields: ClassVar[tuple[Field, ...]]
     _names: ClassVar[frozenset[str]]
 
-    def __init__(self, **values: Any) -> None:
+    def __init__(self, /, **values: Any) -> None:  # positional-only: a key "self" is one more unknown key
         errors: list[tuple[tuple[Any, ...], str]] = []
         for field in self.wire_fields():
             if field.name in values:
@@ -177,7 +180,7 @@ def _json(value: Any) -> Any:
     if isinstance(value, list):
         return [_json(item) for item in value]
     if isinstance(value, dict):
-        return {key: _json(item) for key, item in value.items() if item is not None}
+        return {key: _json(item) for key, item in value.items()}
     return value
 
 
@@ -287,20 +290,34 @@ def _int(value: Any) -> int:
         return value
     if isinstance(value, float) and value.is_integer():  # as pydantic: 5.0 is the int 5
         return int(value)
+    if isinstance(value, str) and _INTEGER.fullmatch(value):  # and "5" too
+        return int(value)
     raise _Invalid([((), "Input should be a valid integer")])
 
 
 def _float(value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise _Invalid([((), "Input should be a valid number")])
+    return float(_number(value))
 
 
 def _number(value: Any) -> int | float:
-    """An int stays an int, a float a float (pydantic's smart union of the two)."""
+    """An int stays an int, a float a float (pydantic's smart union of the two); a numeric
+    string is the int or float it spells."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
+    if isinstance(value, str):
+        if _INTEGER.fullmatch(value):
+            return int(value)
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+        else:
+            if math.isfinite(number):
+                return number
     raise _Invalid([((), "Input should be a valid number")])
+
+
+_INTEGER = re.compile(r"\s*[+-]?\d{1,30}\s*")
 
 
 _SCALARS: dict[Any, Callable[[Any], Any]] = {str: _str, bool: _bool, int: _int, float: _float}
