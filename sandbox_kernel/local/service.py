@@ -49,6 +49,10 @@ ENVIRONMENT_FILE = "environment.json"  # the Python environment this dir's engin
 ENGINES_DIR = "engines"  # the engines of the other environments, one dir each
 START_TIMEOUT = 30.0  # for a new engine to take the state dir's lock
 ENGINE_WAIT = 60.0  # for a live engine to answer, before a kernel gives up (it never starts a second)
+# How long an engine that broke a connection is watched for signs that it is dying (its
+# process gone, or its socket taking no connection), before it is taken for a live engine
+# that dropped the connection.
+DYING_GRACE = 0.5
 SUN_PATH_MAX = 107
 KEEP_ALIVE_SECONDS = 65
 
@@ -241,6 +245,7 @@ class EngineRestarting(httpx.AsyncBaseTransport):
 
     def __init__(self, socket_path: str, state_dir: Path, idle_timeout: float, engine_pid: int | None = None,
                  inner: httpx.AsyncBaseTransport | None = None) -> None:
+        self.socket_path = socket_path
         self.inner = inner or httpx.AsyncHTTPTransport(uds=socket_path, verify=False)
         self.state_dir = state_dir
         self.idle_timeout = idle_timeout
@@ -262,9 +267,7 @@ class EngineRestarting(httpx.AsyncBaseTransport):
             # (a second sandbox create would orphan the first, an exec would run twice), except
             # the channel's lines to its relay (a cell the runner has is not run again, an
             # acknowledgement counts once).
-            from sandbox_kernel.local.registry import start_time
-
-            if serving is None or start_time(serving) is not None:
+            if serving is None or not await self._is_dying(serving):
                 raise
             if (request.method == "POST" and not request.url.path.endswith("/input")
                     and not isinstance(exc, httpx.WriteError)):
@@ -279,6 +282,33 @@ class EngineRestarting(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+    async def _is_dying(self, pid: int) -> bool:
+        """Whether the engine `pid` that broke a connection is gone or going. A process that
+        exits closes its files before it is gone, its listening socket among them, so its
+        connections break while it still looks alive for a moment (long on a loaded
+        machine); a live engine that dropped one connection still takes the next."""
+        from sandbox_kernel.local.registry import start_time
+
+        deadline = time.monotonic() + DYING_GRACE
+        while start_time(pid) is not None and _takes_connections(self.socket_path):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+
+def _takes_connections(socket_path: str) -> bool:
+    """Does something listen on the unix socket (a full backlog counts: it is busy, not gone)?"""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(socket_path)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+    return True
 
 
 def stop_engine(state_dir: Path, timeout: float = 30.0) -> bool:

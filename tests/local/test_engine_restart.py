@@ -28,6 +28,7 @@ from sandbox_kernel.api import APITransportError, CreateSandboxRequest, SandboxC
 from sandbox_kernel.config import LOCAL_ENGINE_URL_FOR_UDS
 from sandbox_kernel.local.registry import start_time
 from sandbox_kernel.local.service import (
+    ENGINE_FILE,
     SOCKET_FILE,
     EngineEndpoint,
     EngineRestarting,
@@ -164,25 +165,37 @@ def finish(kc: BlockingKernelClient, msg_id: str) -> tuple[dict, str]:
             return kc.get_shell_msg(timeout=TIMEOUT), text
 
 
-# An engine that dies after reading one whole request, before answering it: where a kill can
-# land between an engine acting on a request and its answer. It notes the request line.
-DIES_HOLDING_A_REQUEST = """
+# A fake engine on the socket (argv[1]) that writes each request's first line to argv[2].
+LISTENS = """
 import os, socket, sys
+def read_request(connection):
+    data = b""
+    while b"\\r\\n\\r\\n" not in data:
+        data += connection.recv(65536)
+    head, _, body = data.partition(b"\\r\\n\\r\\n")
+    lines = head.split(b"\\r\\n")
+    length = int(next((line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length:")), b"0"))
+    while len(body) < length:
+        body += connection.recv(65536)
+    open(sys.argv[2], "wb").write(lines[0])
 listener = socket.socket(socket.AF_UNIX)
 listener.bind(sys.argv[1])
 listener.listen()
 print("listening", flush=True)
+"""
+# An engine that dies after reading one whole request, before answering it: where a kill can
+# land between an engine acting on a request and its answer.
+DIES_HOLDING_A_REQUEST = LISTENS + """
 connection, _ = listener.accept()
-data = b""
-while b"\\r\\n\\r\\n" not in data:
-    data += connection.recv(65536)
-head, _, body = data.partition(b"\\r\\n\\r\\n")
-lines = head.split(b"\\r\\n")
-length = int(next((line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length:")), b"0"))
-while len(body) < length:
-    body += connection.recv(65536)
-open(sys.argv[2], "wb").write(lines[0])
+read_request(connection)
 os._exit(0)
+"""
+# It lives on: each connection is dropped once its request is read.
+DROPS_EVERY_REQUEST = LISTENS + """
+while True:
+    connection, _ = listener.accept()
+    read_request(connection)
+    connection.close()
 """
 
 
@@ -210,3 +223,23 @@ async def test_an_engine_that_died_holding_a_request_gets_it_again_only_if_harml
         dying.kill()
         dying.wait()
         stop_engine(tmp_path)
+
+
+async def test_a_live_engine_that_dropped_a_request_is_neither_replaced_nor_asked_again(tmp_path: Path) -> None:
+    """It may have acted on the request: the caller hears the error, and no engine is started
+    in its place (it still takes connections)."""
+    socket_path, request_line = tmp_path / SOCKET_FILE, tmp_path / "request-line"
+    live = subprocess.Popen([sys.executable, "-c", DROPS_EVERY_REQUEST, str(socket_path), str(request_line)],
+                            stdout=subprocess.PIPE)
+    try:
+        assert live.stdout is not None and live.stdout.readline() == b"listening\n"
+        transport = EngineRestarting(str(socket_path), tmp_path, idle_timeout=60, engine_pid=live.pid)
+        async with SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, load_or_create_token(tmp_path), transport=transport,
+                                 max_retries=0) as api:
+            with pytest.raises(APITransportError):
+                await api.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-1gb"))
+        assert request_line.read_bytes().startswith(b"POST /v1/sandboxes")
+        assert live.poll() is None and not (tmp_path / ENGINE_FILE).exists()  # no engine in its place
+    finally:
+        live.kill()
+        live.wait()
