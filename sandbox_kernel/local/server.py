@@ -180,7 +180,8 @@ class ProcessInputShortcut:
             return  # the client went away
         try:
             request = ProcessInput.from_wire(json.loads(body))
-        except ValueError:  # not JSON, or not an input: FastAPI's validation answers it
+        except (ValueError, RecursionError):  # not JSON (or nested too deep), or not an input:
+            # FastAPI's validation answers it
             await self.app(scope, _replaying(body, receive), send)
             return
         try:

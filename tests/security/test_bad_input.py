@@ -126,3 +126,20 @@ async def test_upload_larger_than_the_disk(http: httpx.AsyncClient, sandbox: str
     used = await http.post(f"/v1/sandboxes/{sandbox}/exec", json={
         "cmd": "sh", "args": ["-c", "du -m /workspace/big | cut -f1; rm /workspace/big"]})
     assert int(used.json()["data"]["result"]["stdout"]) >= DISK_MIB - 16
+
+
+async def test_a_body_nested_past_the_parsers_depth(http: httpx.AsyncClient, sandbox: str) -> None:
+    """JSON nested deeper than Python's parser goes: refused as bad input, on every route
+    with a body, including the process-input shortcut that parses its own."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(RecursionError):
+        json.loads(deep)
+    created = await http.post(f"/v1/sandboxes/{sandbox}/processes", json={"cmd": "cat"})
+    assert created.status_code == 200, created.text
+    process_id = created.json()["data"]["process_id"]
+    for path in (f"/v1/sandboxes/{sandbox}/processes/{process_id}/input", f"/v1/sandboxes/{sandbox}/exec",
+                 "/v1/sandboxes"):
+        response = await http.post(path, content=deep, headers={"Content-Type": "application/json"})
+        assert 400 <= response.status_code < 500, (path, response.status_code, response.text[:200])
+        assert response.json()["status"] == "fail"
+        await still_serves(http, sandbox)
