@@ -24,7 +24,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TypeVar, Union
 
 W = TypeVar("W", bound="WireModel")
@@ -222,15 +222,7 @@ def _list_checker(item: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def checked(value: Any) -> list[Any]:
         if not isinstance(value, (list, tuple)):
             raise _Invalid([((), "Input should be a valid list")])
-        items, errors = [], []
-        for index, element in enumerate(value):
-            try:
-                items.append(item(element))
-            except _Invalid as exc:
-                errors.extend(((index, *loc), message) for loc, message in exc.errors)
-        if errors:
-            raise _Invalid(errors)
-        return items
+        return [element for _, element in _each(item, enumerate(value))]
     return checked
 
 
@@ -238,18 +230,22 @@ def _dict_checker(item: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def checked(value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise _Invalid([((), "Input should be a valid dictionary")])
-        result, errors = {}, []
-        for key, element in value.items():
-            if not isinstance(key, str):
-                errors.append(((key,), "Keys should be strings"))
-                continue
-            try:
-                result[key] = item(element)
-            except _Invalid as exc:
-                errors.extend(((key, *loc), message) for loc, message in exc.errors)
-        if errors:
-            raise _Invalid(errors)
-        return result
+        if not all(isinstance(key, str) for key in value):
+            raise _Invalid([((), "Keys should be strings")])
+        return dict(_each(item, value.items()))
+    return checked
+
+
+def _each(item: Callable[[Any], Any], pairs: Iterable[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """(key, checked element) of each pair; _Invalid naming every wrong element by its key."""
+    checked, errors = [], []
+    for key, element in pairs:
+        try:
+            checked.append((key, item(element)))
+        except _Invalid as exc:
+            errors.extend(((key, *loc), message) for loc, message in exc.errors)
+    if errors:
+        raise _Invalid(errors)
     return checked
 
 

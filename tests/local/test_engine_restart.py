@@ -10,6 +10,7 @@ engine on the same port, as a cloud service comes back at its address.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jupyter_client import BlockingKernelClient
@@ -199,47 +201,53 @@ while True:
 """
 
 
+@contextlib.contextmanager
+def fake_engine(script: str, state: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A fake engine (one of the scripts above) listening on state's socket, and the file it
+    writes each request's first line to."""
+    socket_path, request_line = state / SOCKET_FILE, state / "request-line"
+    process = subprocess.Popen([sys.executable, "-c", script, str(socket_path), str(request_line)],
+                               stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None and process.stdout.readline() == b"listening\n"
+        yield process, request_line
+    finally:
+        process.kill()
+        process.wait()
+
+
+def client_of(fake: subprocess.Popen[bytes], state: Path, **options: Any) -> SandboxClient:
+    """The kernel's client of the local engine, that fake being the engine it knows."""
+    transport = EngineRestarting(str(state / SOCKET_FILE), state, idle_timeout=60, engine_pid=fake.pid)
+    return SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, load_or_create_token(state), transport=transport, **options)
+
+
 @pytest.mark.parametrize("method", ["POST", "GET"])
 async def test_an_engine_that_died_holding_a_request_gets_it_again_only_if_harmless(tmp_path: Path,
                                                                                    method: str) -> None:
     """The kernel's transport starts the next engine either way, but sends a sandbox create
     again only if it cannot have been read: a second one would leave the first orphaned."""
-    socket_path, request_line = tmp_path / SOCKET_FILE, tmp_path / "request-line"
-    dying = subprocess.Popen([sys.executable, "-c", DIES_HOLDING_A_REQUEST, str(socket_path), str(request_line)],
-                             stdout=subprocess.PIPE)
     try:
-        assert dying.stdout is not None and dying.stdout.readline() == b"listening\n"
-        transport = EngineRestarting(str(socket_path), tmp_path, idle_timeout=60, engine_pid=dying.pid)
-        async with SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, load_or_create_token(tmp_path), transport=transport) as api:
-            if method == "POST":
-                with pytest.raises(APITransportError):
-                    await api.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-1gb"))
-            else:
-                assert await api.list_sandboxes() == []  # answered by the next engine
-        assert request_line.read_bytes().startswith(f"{method} /v1/sandboxes".encode())  # read whole, then died
+        with fake_engine(DIES_HOLDING_A_REQUEST, tmp_path) as (dying, request_line):
+            async with client_of(dying, tmp_path) as api:
+                if method == "POST":
+                    with pytest.raises(APITransportError):
+                        await api.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-1gb"))
+                else:
+                    assert await api.list_sandboxes() == []  # answered by the next engine
+            assert request_line.read_bytes().startswith(f"{method} /v1/sandboxes".encode())  # read whole, then died
         next_engine = await asyncio.to_thread(engine_of, tmp_path)
         assert await asyncio.to_thread(sandboxes, next_engine) == []  # and holds no second sandbox
     finally:
-        dying.kill()
-        dying.wait()
         stop_engine(tmp_path)
 
 
 async def test_a_live_engine_that_dropped_a_request_is_neither_replaced_nor_asked_again(tmp_path: Path) -> None:
     """It may have acted on the request: the caller hears the error, and no engine is started
     in its place (it still takes connections)."""
-    socket_path, request_line = tmp_path / SOCKET_FILE, tmp_path / "request-line"
-    live = subprocess.Popen([sys.executable, "-c", DROPS_EVERY_REQUEST, str(socket_path), str(request_line)],
-                            stdout=subprocess.PIPE)
-    try:
-        assert live.stdout is not None and live.stdout.readline() == b"listening\n"
-        transport = EngineRestarting(str(socket_path), tmp_path, idle_timeout=60, engine_pid=live.pid)
-        async with SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, load_or_create_token(tmp_path), transport=transport,
-                                 max_retries=0) as api:
+    with fake_engine(DROPS_EVERY_REQUEST, tmp_path) as (live, request_line):
+        async with client_of(live, tmp_path, max_retries=0) as api:
             with pytest.raises(APITransportError):
                 await api.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-1gb"))
         assert request_line.read_bytes().startswith(b"POST /v1/sandboxes")
         assert live.poll() is None and not (tmp_path / ENGINE_FILE).exists()  # no engine in its place
-    finally:
-        live.kill()
-        live.wait()
