@@ -135,8 +135,8 @@ class WireModel:
             hints = typing.get_type_hints(cls)
             fields = tuple(Field(name, hint, _spec_of(cls, name)) for name, hint in hints.items()
                            if not name.startswith("_") and typing.get_origin(hint) is not ClassVar)
-            cls._fields = fields
             cls._names = frozenset(field.name for field in fields)
+            cls._fields = fields  # last: another thread takes the fields once this is set
         return fields
 
     def to_wire(self) -> dict[str, Any]:
