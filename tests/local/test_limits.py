@@ -36,9 +36,9 @@ NEEDS_CGROUP_V1 = pytest.mark.skipif(
 NEEDS_DISK_CAP = pytest.mark.skipif(not disk.available(), reason="capped volumes need root and loop devices")
 
 
-async def run(client: SandboxClient, sandbox_id: str, script: str) -> tuple[int, str]:
+async def run(client: SandboxClient, sandbox_id: str, script: str, timeout: float | None = None) -> tuple[int, str]:
     """Run a shell script in the sandbox: (exit code, stdout + stderr)."""
-    result = (await client.exec(sandbox_id, "sh", ["-c", script])).result
+    result = (await client.exec(sandbox_id, "sh", ["-c", script], timeout=timeout)).result
     return result.exit_code, result.stdout + result.stderr
 
 
@@ -123,7 +123,9 @@ async def test_at_the_memory_limit_the_oom_killer_spares_the_agent(client: Sandb
         "        os._exit(0)\n"
         "for _ in range(200):\n"
         "    os.wait()\n")
-    await run(client, sandbox, swarm)
+    # As long as the swarm takes: at the limit the sandbox thrashes before each OOM kill (9 to
+    # over 60 s in CI runs; the client's default read timeout is 60 s).
+    await run(client, sandbox, swarm, timeout=600)
     assert (await client.get_sandbox(sandbox)).oom_kills > 0
     assert sandbox_pids(sandbox, b"agent.py") == [agent]
     assert await run(client, sandbox, "echo the sandbox lives") == (0, "the sandbox lives\n")
