@@ -26,7 +26,8 @@ from sandbox_kernel.api.errors import (
     parse_retry_after,
     redact,
 )
-from sandbox_kernel.api.models import Pagination, WireModel
+from sandbox_kernel.api.models import Pagination
+from sandbox_kernel.api.wire import to_jsonable
 
 __all__ = [
     "success",
@@ -48,17 +49,6 @@ LEGACY_LIST_KEYS = ("shapes", "templates", "disks")
 
 # --------------------------------------------------------------------------------------------------------------
 # Builders
-
-
-def to_jsonable(value: Any) -> Any:
-    """Models -> their wire dicts (omitempty); lists/dicts converted recursively; anything else unchanged."""
-    if isinstance(value, WireModel):
-        return value.to_wire()
-    if isinstance(value, (list, tuple)):
-        return [to_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {k: to_jsonable(v) for k, v in value.items()}
-    return value
 
 
 def success(data: Any = None) -> dict[str, Any]:

@@ -141,7 +141,7 @@ class WireModel:
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON-ready dict to send: None fields omitted (omitempty)."""
-        return {field.name: _json(value) for field in self.wire_fields()
+        return {field.name: to_jsonable(value) for field in self.wire_fields()
                 if (value := getattr(self, field.name)) is not None}
 
     def fields_set(self) -> frozenset[str]:
@@ -172,15 +172,17 @@ def _spec_of(cls: type, name: str) -> FieldSpec:
     return default if isinstance(default, FieldSpec) else FieldSpec(default)
 
 
-def _json(value: Any) -> Any:
+def to_jsonable(value: Any) -> Any:
+    """Models -> their wire dicts (omitempty), enums -> their values; lists, tuples and dicts
+    converted recursively; anything else unchanged."""
     if isinstance(value, WireModel):
         return value.to_wire()
     if isinstance(value, enum.Enum):
         return value.value
-    if isinstance(value, list):
-        return [_json(item) for item in value]
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(item) for item in value]
     if isinstance(value, dict):
-        return {key: _json(item) for key, item in value.items()}
+        return {key: to_jsonable(item) for key, item in value.items()}
     return value
 
 
