@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jupyter_core.paths
 import pytest
 
 from cli_helpers import cli
@@ -83,6 +84,10 @@ def test_doctor_asks_a_createos_sandbox_too(engine: EngineEndpoint) -> None:
 def test_doctor_says_which_python_the_kernelspec_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
     monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
+    # Neither this environment's kernelspecs (the README's quick start installs one with
+    # --sys-prefix) nor the system's: only what this test installs.
+    monkeypatch.setattr(jupyter_core.paths, "ENV_JUPYTER_PATH", [])
+    monkeypatch.setattr(jupyter_core.paths, "SYSTEM_JUPYTER_PATH", [])
     assert kernelspec_line() == f"- no 'sandbox' kernelspec installed: {sys.executable} -m sandbox_kernel install --user"
     cli("install", "--prefix", str(tmp_path)).check_returncode()
     assert kernelspec_line() == (f"✓ the 'sandbox' kernelspec ({tmp_path / 'share' / 'jupyter' / 'kernels' / 'sandbox'}) "
