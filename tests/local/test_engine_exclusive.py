@@ -177,11 +177,13 @@ async def test_twenty_kernels_starting_while_the_engine_is_stopped_share_it(
     port = int(first.url.rsplit(":", 1)[1])
     earlier = await create_sandbox(first)  # what a second engine would take over
     managers = [AsyncKernelManager(kernel_name=kernelspec) for _ in range(KERNELS)]
+    logs = [tmp_path / f"kernel-{index}.log" for index in range(KERNELS)]
     clients: list[AsyncKernelClient] = []
     try:
         with stopped(first.pid):
-            for km in managers:
-                await km.start_kernel()
+            for km, log in zip(managers, logs):
+                with open(log, "wb") as output:
+                    await km.start_kernel(stdout=output, stderr=output)
             pids = [km.provisioner.process.pid for km in managers]  # type: ignore[union-attr]
             # Stopped until every kernel has come to ask for it (the machine may be slow to
             # start twenty), or until a second engine shows up (the bug), then 3 s more.
@@ -196,7 +198,7 @@ async def test_twenty_kernels_starting_while_the_engine_is_stopped_share_it(
             kc = km.client()
             kc.start_channels()
             clients.append(kc)
-        await asyncio.gather(*(kc.wait_for_ready(timeout=300) for kc in clients))
+        await asyncio.gather(*(ready(kc, km, log) for kc, km, log in zip(clients, managers, logs)))
         replies = await asyncio.gather(*(first_cell(kc) for kc in clients))
 
         assert engines_serving(state) == [first.pid]
@@ -218,6 +220,17 @@ async def test_twenty_kernels_starting_while_the_engine_is_stopped_share_it(
             async with SandboxClient(first.url, first.token) as api:
                 await api.delete_sandbox(earlier)
         await asyncio.to_thread(stop_engine, state)
+
+
+async def ready(kc: AsyncKernelClient, km: AsyncKernelManager, log: Path) -> None:
+    """Wait for the kernel to answer kernel_info; if it cannot, fail with its exit status
+    and what it wrote."""
+    try:
+        await kc.wait_for_ready(timeout=300)
+    except RuntimeError as exc:
+        process = km.provisioner.process  # type: ignore[union-attr]
+        raise AssertionError(f"{exc} (pid {process.pid}, exit status {process.poll()}); "
+                             f"it wrote:\n{log.read_text(errors='replace')[-4000:]}") from exc
 
 
 async def first_cell(kc: AsyncKernelClient) -> tuple[str, dict]:
