@@ -60,7 +60,8 @@ from sandbox_kernel.api import (
     SandboxClient,
 )
 from sandbox_kernel.sandbox.event_lines import parse_event_line
-from sandbox_kernel.sandbox.transport import RECONNECT_DELAYS, RECOVERABLE, EventHandler, RunnerTransportError
+from sandbox_kernel.sandbox.transport import (RECONNECT_DELAYS, RECOVERABLE, EventHandler, RunnerTransportError,
+                                              reconnect_delay)
 
 log = logging.getLogger("sandbox_kernel.sandbox.channel")
 
@@ -308,6 +309,7 @@ class RunnerChannel:
         try:
             while True:
                 progress = self._reading.seq
+                dropped_by: Exception | None = None
                 try:
                     async with self.transport.connect(self.process_id, self._reading.seq) as frames:
                         async for frame in frames:
@@ -324,6 +326,7 @@ class RunnerChannel:
                     continue
                 except RECOVERABLE as exc:
                     log.warning("channel stream dropped after seq %d: %s", self._reading.seq, exc)
+                    dropped_by = exc
                 except ConflictError:
                     # Not running: paused (its next cell resumes it, the stream then goes on),
                     # or destroyed or failed, which ends the runner (the outer handler).
@@ -349,7 +352,7 @@ class RunnerChannel:
                     self._end(RunnerTransportError("lost the connection to the sandbox; the cell's output so far "
                                            "is shown above"))
                     return
-                await asyncio.sleep(RECONNECT_DELAYS[failures])
+                await asyncio.sleep(reconnect_delay(failures, dropped_by))
                 failures += 1
         except SandboxAPIError as exc:  # the process or the sandbox is gone
             self._end(RunnerTransportError(f"the channel to the runner failed: {exc.user_message()}", runner_gone=True))

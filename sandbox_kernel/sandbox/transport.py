@@ -16,15 +16,25 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from sandbox_kernel.api import APITransportError, ProtocolError, ServerError
+from sandbox_kernel.api import APITransportError, ProtocolError, RateLimitError, ServerError
 
 EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
 
 # Waits before each new try at a connection to the runner that dropped (a channel's stream,
 # an exec's); past the last one the transport gives up on it.
 RECONNECT_DELAYS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0)
-# Failures of one connection that a new try can repair.
-RECOVERABLE = (APITransportError, ProtocolError, ServerError)
+# Failures of one connection that a new try can repair. A 429 too: the client never
+# retries a stream (createos-api.md), and a refused stream says nothing of the runner.
+RECOVERABLE = (APITransportError, ProtocolError, RateLimitError, ServerError)
+
+
+def reconnect_delay(failures: int, dropped_by: Exception | None) -> float:
+    """How long to wait before the next try at a dropped connection: the next of
+    RECONNECT_DELAYS, or longer if a 429 said when to come back."""
+    delay = RECONNECT_DELAYS[failures]
+    if isinstance(dropped_by, RateLimitError) and dropped_by.retry_after is not None:
+        delay = max(delay, dropped_by.retry_after)
+    return delay
 
 
 class RunnerTransportError(Exception):

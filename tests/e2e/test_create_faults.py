@@ -8,24 +8,17 @@ import json
 
 import pytest
 
-from fault_proxy import proxied_engine
+from fault_proxy import SLOW_DOWN, http_reply, proxied_engine
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
 
 
-def reply(status: str, body: dict, *headers: str) -> bytes:
-    payload = json.dumps(body).encode()
-    head = [f"HTTP/1.1 {status}", "Content-Type: application/json", "Connection: close",
-            f"Content-Length: {len(payload)}", *headers]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + payload
-
-
-UNAUTHORIZED = reply("401 Unauthorized", {"status": "fail", "data": "invalid api key"})
-NO_CREDIT = reply("402 Payment Required", {"status": "fail", "data": {"code": "no_credit"}})
-NO_CAPACITY = reply("503 Service Unavailable", {"status": "error", "message": "no host with capacity", "code": 503})
-SLOW_DOWN = reply("429 Too Many Requests", {"status": "fail", "data": "rate limited"}, "Retry-After: 1")
+UNAUTHORIZED = http_reply("401 Unauthorized", {"status": "fail", "data": "invalid api key"})
+NO_CREDIT = http_reply("402 Payment Required", {"status": "fail", "data": {"code": "no_credit"}})
+NO_CAPACITY = http_reply("503 Service Unavailable", {"status": "error", "message": "no host with capacity",
+                                                     "code": 503})
 
 
 # The kernel starts creating its sandbox at start-up, and a cell after a failed start tries

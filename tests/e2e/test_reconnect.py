@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fault_proxy import proxied_engine
+from fault_proxy import SLOW_DOWN, proxied_engine
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -33,6 +33,19 @@ def test_dropped_stream_resumes_without_loss_or_duplicates(
         assert result.reply["content"]["status"] == "ok"
         assert result.text() == "".join(f"{i} {'-' * 60}\n" for i in range(400))
         assert proxy.cuts == 3, "the proxy cut the cell's stream three times"
+
+
+def test_a_rate_limited_output_stream_is_connected_again_and_the_kernel_lives(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 429 on the channel's output stream (the client never retries a stream) says nothing
+    of the Python in the sandbox: the channel waits as told and connects again. It was taken
+    as the runner's death, and the kernel ended before its first cell."""
+    with proxied_engine(engine, monkeypatch, connect_replies=[SLOW_DOWN, SLOW_DOWN]) as proxy, \
+            running_kernel(kernelspec) as (_, kc):
+        result = execute(kc, "print('still here')")
+        assert result.reply["content"]["status"] == "ok"
+        assert result.text() == "still here\n"
+        assert proxy.refused_connects == 2
 
 
 def test_a_paused_notebooks_dropped_stream_waits_for_its_next_cell_not_the_service(

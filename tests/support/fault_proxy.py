@@ -2,7 +2,8 @@
 CreateOS can: it cuts the first `max_cuts` streams after a number of bytes (later ones
 pass, so a run always ends), answers every streaming exec with `stream_reply` (a 404,
 or an `error` frame) as services without streaming exec do, or answers the first sandbox
-creations with `create_replies` (401, 402, 429, 503...), one each, then lets them through.
+creations with `create_replies` (401, 402, 429, 503...), one each, then lets them through;
+`connect_replies` does the same to the first connects to managed processes' output streams.
 Armed with `fail_buffered_execs`, it answers chosen buffered (non-streaming) execs with a
 502, either before forwarding them or after the engine has run them, as a gateway that
 gives up on a long-held request does. With `hold_status` = (real, shown), sandbox views
@@ -64,12 +65,15 @@ BAD_GATEWAY = (b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nC
 class FaultProxy:
     def __init__(self, upstream_port: int, cut_after_bytes: int = 0, max_cuts: int = 0,
                  stream_reply: bytes | None = None, create_replies: list[bytes] | None = None,
-                 hold_creates: bool = False, refuse_processes: bool = False) -> None:
+                 hold_creates: bool = False, refuse_processes: bool = False,
+                 connect_replies: list[bytes] | None = None) -> None:
         self.upstream_port = upstream_port
         self.cut_after_bytes = cut_after_bytes
         self.max_cuts = max_cuts
         self.stream_reply = stream_reply
         self.create_replies = list(create_replies or [])
+        self.connect_replies = list(connect_replies or [])
+        self.refused_connects = 0
         self.creates_seen = 0
         self.hold_creates = hold_creates
         self.refuse_processes = refuse_processes
@@ -154,6 +158,9 @@ class FaultProxy:
                         self.held_deletes += 1
                         while self.hold_deletes:  # then sent on, below
                             await asyncio.sleep(0.02)
+                    elif self.connect_replies and CONNECT_REQUEST.match(request_line):
+                        self.refused_connects += 1
+                        reply = self.connect_replies.pop(0)
                     elif self.refuse_processes and PROCESS_CREATE.match(request_line):
                         self.refused_processes += 1
                         reply = NOT_FOUND
@@ -278,6 +285,17 @@ async def _whole_request(data: bytes, reader: asyncio.StreamReader) -> bytes:
     if len(body) < length:
         body += await reader.readexactly(length - len(body))
     return head + b"\r\n\r\n" + body
+
+
+def http_reply(status: str, body: dict, *headers: str) -> bytes:
+    """A whole JSON response, the connection closed after it: `status` as "429 Too Many Requests"."""
+    payload = json.dumps(body).encode()
+    head = [f"HTTP/1.1 {status}", "Content-Type: application/json", "Connection: close",
+            f"Content-Length: {len(payload)}", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + payload
+
+
+SLOW_DOWN = http_reply("429 Too Many Requests", {"status": "fail", "data": "rate limited"}, "Retry-After: 1")
 
 
 @contextlib.contextmanager
