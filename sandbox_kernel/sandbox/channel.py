@@ -53,6 +53,7 @@ from sandbox_kernel.api import (
     BoundedLines,
     ConflictError,
     CreateProcessRequest,
+    NotFoundError,
     OversizedLine,
     ProcessFrame,
     ProtocolError,
@@ -354,8 +355,13 @@ class RunnerChannel:
                     return
                 await asyncio.sleep(reconnect_delay(failures, dropped_by))
                 failures += 1
-        except SandboxAPIError as exc:  # the process or the sandbox is gone
+        except (NotFoundError, ConflictError) as exc:  # the process or the sandbox is gone
             self._end(RunnerTransportError(f"the channel to the runner failed: {exc.user_message()}", runner_gone=True))
+        except SandboxAPIError as exc:
+            # Refused (the key, the account, a request the service will not take): that
+            # says nothing of the runner, which may well live on. The next request opens
+            # the channel again (runner_link.ensure_up), or says why it cannot.
+            self._end(RunnerTransportError(f"the channel to the runner failed: {exc.user_message()}"))
         except Exception as exc:  # a bug of ours: end the cell with it rather than hang
             log.exception("the channel reader failed")
             self._end(RunnerTransportError(f"internal error in the channel ({type(exc).__name__}: {exc})"))

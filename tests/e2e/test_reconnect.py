@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fault_proxy import SLOW_DOWN, proxied_engine
+from fault_proxy import SLOW_DOWN, http_reply, proxied_engine
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -46,6 +46,30 @@ def test_a_rate_limited_output_stream_is_connected_again_and_the_kernel_lives(
         assert result.reply["content"]["status"] == "ok"
         assert result.text() == "still here\n"
         assert proxy.refused_connects == 2
+
+
+def test_a_refused_output_stream_fails_a_cell_with_its_reason_and_the_kernel_lives(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service refusing the output stream (the key, the account) says nothing of the
+    Python in the sandbox either: the notebook hears the refusal, not that its Python died,
+    and once the service lets it through the same Python goes on."""
+    refused = http_reply("403 Forbidden", {"status": "fail", "data": "not allowed"})
+    with proxied_engine(engine, monkeypatch) as proxy, running_kernel(kernelspec) as (_, kc):
+        assert execute(kc, "x = 41").reply["content"]["status"] == "ok"
+        proxy.connect_replies = [refused] * 100
+        proxy.cut_after_bytes, proxy.max_cuts = 0, 1  # the stream's next heartbeat cuts it
+        deadline = time.monotonic() + 60
+        while proxy.refused_connects == 0:
+            assert time.monotonic() < deadline, "the stream was never cut and refused"
+            time.sleep(0.1)
+        time.sleep(1)  # what the kernel makes of the refusal, between cells
+        failed = execute(kc, "print(x)")
+        assert failed.reply["content"]["status"] == "error"
+        assert "CreateOS denied the request (403" in failed.reply["content"]["evalue"]
+        assert "died" not in failed.reply["content"]["evalue"]
+        proxy.connect_replies = []
+        result = execute(kc, "print(x + 1)")
+        assert result.reply["content"]["status"] == "ok" and result.text() == "42\n"
 
 
 def test_a_paused_notebooks_dropped_stream_waits_for_its_next_cell_not_the_service(
