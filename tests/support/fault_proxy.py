@@ -51,15 +51,21 @@ CONNECT_REQUEST = re.compile(rb"GET /v1/sandboxes/[^/?\s]+/processes/[^/?\s]+/co
 # In an exec frame's JSON, the end of a line the runner wrote: `\n` after an even run of
 # backslashes (a newline within an event's own text is escaped twice: `\\n`).
 EVENT_LINE_END = re.compile(rb"(?<!\\)(?:\\\\)*\\n")
-NOT_FOUND_BODY = b'{"status": "fail", "data": "not found"}'
-NOT_FOUND = (b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nConnection: close\r\n"
-             b"Content-Length: " + str(len(NOT_FOUND_BODY)).encode() + b"\r\n\r\n" + NOT_FOUND_BODY)
-CONFLICT_BODY = b'{"status": "fail", "data": {"message": "sandbox is in transition", "code": "invalid_state"}}'
-CONFLICT = (b"HTTP/1.1 409 Conflict\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b"Content-Length: " + str(len(CONFLICT_BODY)).encode() + b"\r\n\r\n" + CONFLICT_BODY)
-BAD_GATEWAY_BODY = b'{"status": "error", "message": "bad gateway"}'
-BAD_GATEWAY = (b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nConnection: close\r\n"
-               b"Content-Length: " + str(len(BAD_GATEWAY_BODY)).encode() + b"\r\n\r\n" + BAD_GATEWAY_BODY)
+
+
+def http_reply(status: str, body: dict, *headers: str) -> bytes:
+    """A whole JSON response, the connection closed after it: `status` as "429 Too Many Requests"."""
+    payload = json.dumps(body).encode()
+    head = [f"HTTP/1.1 {status}", "Content-Type: application/json", "Connection: close",
+            f"Content-Length: {len(payload)}", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + payload
+
+
+NOT_FOUND = http_reply("404 Not Found", {"status": "fail", "data": "not found"})
+CONFLICT = http_reply("409 Conflict", {"status": "fail", "data": {"message": "sandbox is in transition",
+                                                                  "code": "invalid_state"}})
+BAD_GATEWAY = http_reply("502 Bad Gateway", {"status": "error", "message": "bad gateway"})
+SLOW_DOWN = http_reply("429 Too Many Requests", {"status": "fail", "data": "rate limited"}, "Retry-After: 1")
 
 
 class FaultProxy:
@@ -286,16 +292,6 @@ async def _whole_request(data: bytes, reader: asyncio.StreamReader) -> bytes:
         body += await reader.readexactly(length - len(body))
     return head + b"\r\n\r\n" + body
 
-
-def http_reply(status: str, body: dict, *headers: str) -> bytes:
-    """A whole JSON response, the connection closed after it: `status` as "429 Too Many Requests"."""
-    payload = json.dumps(body).encode()
-    head = [f"HTTP/1.1 {status}", "Content-Type: application/json", "Connection: close",
-            f"Content-Length: {len(payload)}", *headers]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + payload
-
-
-SLOW_DOWN = http_reply("429 Too Many Requests", {"status": "fail", "data": "rate limited"}, "Retry-After: 1")
 
 
 @contextlib.contextmanager
