@@ -281,7 +281,6 @@ async def open_client(settings: Settings, state: Path | None = None, start_engin
     with start_engine false, raise EngineNotRunning: a viewer need not keep one alive)."""
     if settings.provider == "createos":
         return SandboxClient(settings.base_url, settings.api_key)
-    from sandbox_kernel.api.kept_connections import KeptConnections
     from sandbox_kernel.local.service import EngineRestarting, ensure_engine, read_endpoint
 
     state = state or state_dir()
@@ -299,5 +298,5 @@ async def open_client(settings: Settings, state: Path | None = None, start_engin
         return SandboxClient(
             LOCAL_ENGINE_URL_FOR_UDS, endpoint.token, uds=socket,
             transport=EngineRestarting(socket, state, idle_timeout, endpoint.pid),
-            process_transport=EngineRestarting(socket, state, idle_timeout, endpoint.pid, KeptConnections(uds=socket)))
+            process_transport=EngineRestarting(socket, state, idle_timeout, endpoint.pid))
     return SandboxClient(endpoint.url, endpoint.token)

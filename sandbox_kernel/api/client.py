@@ -24,7 +24,6 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Mapping, Sequence, TypeVar
 from urllib.parse import quote, urlsplit
 
-import httpcore
 import httpx
 import pybase64
 
@@ -98,8 +97,15 @@ MAX_PROCESS_URLS = 64  # parsed URLs kept for process calls (see _process_reques
 # takes what the socket holds, up to this, and never waits for more: larger reads only make
 # fewer of them when the stream is busy. (A class attribute of httpcore's; left alone if it is ever gone.)
 _STREAM_READ_BYTES = 256 * 1024
-if getattr(httpcore.AsyncHTTP11Connection, "READ_NUM_BYTES", _STREAM_READ_BYTES) < _STREAM_READ_BYTES:
-    httpcore.AsyncHTTP11Connection.READ_NUM_BYTES = _STREAM_READ_BYTES
+
+
+def _widen_httpcore_reads() -> None:
+    """Done by a client that uses httpx's own transport (CreateOS): httpcore is imported
+    then, and only then (a kernel on the local engine never needs it)."""
+    import httpcore
+
+    if getattr(httpcore.AsyncHTTP11Connection, "READ_NUM_BYTES", _STREAM_READ_BYTES) < _STREAM_READ_BYTES:
+        httpcore.AsyncHTTP11Connection.READ_NUM_BYTES = _STREAM_READ_BYTES
 #: longest NDJSON line of an exec or process stream accepted from the service (CreateOS sends small frames; the local
 #: engine's are at most about 400 KiB): a longer one is a broken stream, never buffered whole
 MAX_FRAME_LINE = 4 * 1024 * 1024
@@ -380,6 +386,8 @@ class SandboxClient:
         # Plain http (the local engine, on loopback or a unix socket) never does TLS, and
         # redirects are not followed: skip loading the CA bundle, ~20-40 ms of kernel start.
         tls = split.scheme == "https"
+        if transport is None:
+            _widen_httpcore_reads()
         if transport is None and uds is not None:
             transport = httpx.AsyncHTTPTransport(uds=uds, verify=tls)
         host = (split.hostname or "").lower()
