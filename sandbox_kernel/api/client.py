@@ -106,6 +106,8 @@ def _widen_httpcore_reads() -> None:
 
     if getattr(httpcore.AsyncHTTP11Connection, "READ_NUM_BYTES", _STREAM_READ_BYTES) < _STREAM_READ_BYTES:
         httpcore.AsyncHTTP11Connection.READ_NUM_BYTES = _STREAM_READ_BYTES
+
+
 #: longest NDJSON line of an exec or process stream accepted from the service (CreateOS sends small frames; the local
 #: engine's are at most about 400 KiB): a longer one is a broken stream, never buffered whole
 MAX_FRAME_LINE = 4 * 1024 * 1024
