@@ -37,7 +37,6 @@ def test_the_kernel_starts_without_what_its_first_cell_does_not_need() -> None:
     assert not NEVER & imported
 
 
-
 def test_the_kernels_requests_to_its_local_engine_go_without_httpx_own_transport(engine: EngineEndpoint) -> None:
     """The kernel finds its local engine and sends it every request over connections of its
     own (api/kept_connections.py): httpx's transport is httpcore, with h11 and, under
