@@ -292,11 +292,10 @@ async def open_client(settings: Settings, state: Path | None = None, start_engin
         endpoint = running
     if settings.engine_transport == "unix" and endpoint.socket:
         # The socket's path stays when the engine is restarted: a request that finds no
-        # engine there starts one (which takes the sandboxes over) and goes again. Both
-        # transports do, the general one and the one for a process's input and output (kept_connections.py).
-        socket, idle_timeout = endpoint.socket, settings.engine_idle_timeout
-        return SandboxClient(
-            LOCAL_ENGINE_URL_FOR_UDS, endpoint.token, uds=socket,
-            transport=EngineRestarting(socket, state, idle_timeout, endpoint.pid),
-            process_transport=EngineRestarting(socket, state, idle_timeout, endpoint.pid))
+        # engine there starts one (which takes the sandboxes over) and goes again. One
+        # transport carries every call, a process's input and output among them (over
+        # kept_connections.py either way): one set of kept connections, one engine it knows.
+        restarting = EngineRestarting(endpoint.socket, state, settings.engine_idle_timeout, endpoint.pid)
+        return SandboxClient(LOCAL_ENGINE_URL_FOR_UDS, endpoint.token, uds=endpoint.socket,
+                             transport=restarting, process_transport=restarting)
     return SandboxClient(endpoint.url, endpoint.token)
