@@ -105,6 +105,8 @@ class OutputRouter:
     """
 
     FLUSH_INTERVAL = 0.01
+    # ipykernel's flush interval: a partial line shows no later than it would there.
+    LINE_WAIT = 0.2
     # Also the size of the pieces a long write is cut into: big enough that a 20 MB print
     # is a few dozen messages (each costs the kernel and the browser), small enough to bound a line.
     MAX_PENDING = 1024 * 1024
@@ -278,6 +280,9 @@ class OutputRouter:
         text = "".join(self._pending)
         self._pending = []
         self._pending_size = 0
+        # An explicit flush's due time is met, whoever sent the text: left set, the next
+        # cell's first write went at once, cut off from the rest of its line.
+        self._flush_due = math.inf
         sink, self._pending_sink = self._pending_sink, None
         if sink is None:
             return
@@ -330,10 +335,24 @@ class OutputRouter:
             while True:
                 while not self._pending:
                     self._has_pending.wait()
-                due = time.monotonic() + self.FLUSH_INTERVAL
-                while self._pending and time.monotonic() < min(due, self._flush_due):
-                    self._has_pending.wait(min(due, self._flush_due) - time.monotonic())
+                started = time.monotonic()
+                while self._pending:
+                    wait = self._sending_time(started) - time.monotonic()
+                    if wait <= 0:
+                        break
+                    # A line being finished is looked at every interval: its end does not notify.
+                    self._has_pending.wait(min(wait, self.FLUSH_INTERVAL))
                 self._flush_round()
+
+    def _sending_time(self, started: float) -> float:
+        """When the flusher sends text pending since ``started`` (the lock held): at the
+        interval's end, or sooner if an explicit flush asked. Text that ends mid-line waits
+        for its line up to LINE_WAIT: ``print(x)`` is two writes, and a busy machine can stall
+        the cell between them long enough to cut its line into two outputs."""
+        due = min(started + self.FLUSH_INTERVAL, self._flush_due)
+        if self._flush_due == math.inf and not self._pending[-1].endswith(("\n", "\r")):
+            return max(due, started + self.LINE_WAIT)
+        return due
 
     def _flush_round(self) -> None:
         """The end of a flusher's wait (the lock held): the pending text, unless an explicit
