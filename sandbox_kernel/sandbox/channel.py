@@ -322,7 +322,7 @@ class RunnerChannel:
                         self._end(RunnerTransportError("the relay to the runner in the sandbox keeps being killed"))
                         return
                     log.warning("%s: starting a new one", exc)
-                    await self._replace_relay()
+                    await self._replace_relay_once_running()
                     failures = 0
                     continue
                 except RECOVERABLE as exc:
@@ -335,17 +335,8 @@ class RunnerChannel:
                     if not await self._sandbox_paused():
                         raise
                     # Nothing runs in a paused sandbox, and the stream replays from where it
-                    # stopped: wait for the session's word that it runs again, asking the
-                    # service ever less often meanwhile (someone else may resume it).
-                    try:
-                        # With work in flight (paused by someone else mid-cell), look as often
-                        # as before; the long waits are for an idle notebook.
-                        busy = bool(self._cells or self._replies)
-                        await asyncio.wait_for(self._running_again.wait(),
-                                               RECONNECT_DELAYS[-1] if busy else paused_recheck)
-                        paused_recheck = PAUSED_RECHECK_FIRST
-                    except asyncio.TimeoutError:
-                        paused_recheck = min(paused_recheck * 2, PAUSED_RECHECK_MAX)
+                    # stopped.
+                    paused_recheck = await self._wait_while_paused(paused_recheck)
                     continue
                 if self._reading.seq > progress:
                     failures = 0
@@ -365,6 +356,34 @@ class RunnerChannel:
         except Exception as exc:  # a bug of ours: end the cell with it rather than hang
             log.exception("the channel reader failed")
             self._end(RunnerTransportError(f"internal error in the channel ({type(exc).__name__}: {exc})"))
+
+    async def _wait_while_paused(self, recheck: float) -> float:
+        """Wait for the session's word that the sandbox runs again, or `recheck` seconds,
+        after which the caller asks the service again (someone else may resume it); the
+        next wait's length, ever longer while nobody resumes it."""
+        # With work in flight (paused by someone else mid-cell), look as often as a dropped
+        # stream would; the long waits are for an idle notebook.
+        busy = bool(self._cells or self._replies)
+        try:
+            await asyncio.wait_for(self._running_again.wait(), RECONNECT_DELAYS[-1] if busy else recheck)
+            return PAUSED_RECHECK_FIRST
+        except asyncio.TimeoutError:
+            return min(recheck * 2, PAUSED_RECHECK_MAX)
+
+    async def _replace_relay_once_running(self) -> None:
+        """A new relay for a killed one. A sandbox paused or in a transition refuses a new
+        process (409), but its runner lives on: the new relay waits for it to run again
+        (taking the refusal for the runner's death would lose the notebook's Python)."""
+        recheck = PAUSED_RECHECK_FIRST
+        while True:
+            try:
+                await self._replace_relay()
+                return
+            except ConflictError:
+                self._running_again.clear()
+                if not await self._sandbox_paused():
+                    raise
+            recheck = await self._wait_while_paused(recheck)
 
     async def _replace_relay(self) -> None:
         """A new relay in place of one that was killed; each cell in flight is asked for
@@ -386,10 +405,13 @@ class RunnerChannel:
 
     async def _sandbox_paused(self) -> bool:
         try:
-            return await self.transport.sandbox_paused()
+            paused = await self.transport.sandbox_paused()
         except RECOVERABLE as exc:  # not known now: wait and ask again, as for a paused sandbox
             log.warning("could not read the sandbox's state: %s", exc)
             return True
+        if not paused:  # a reader waiting out a pause need not wait for the session's word
+            self._running_again.set()
+        return paused
 
     async def _take(self, frame: ProcessFrame) -> bool:
         """Handle one frame; True once the relay has exited."""

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
-from kernel_helpers import execute, running_kernel
+from kernel_helpers import RELAYS, execute, running_kernel
 from sandbox_kernel.sandbox import runner_setup
 from sandbox_kernel.sandbox import session as session_module
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient
@@ -57,25 +57,6 @@ def test_output_between_cells_arrives_on_the_parent_of_the_cell_that_started_it(
         # Cells, completion and the counter carry on as before.
         assert execute(kc, "print(6 * 7)").text() == "42\n"
         assert "threading" in kc.complete("thre", 4, reply=True, timeout=60)["content"]["matches"]
-
-
-RELAYS = """
-import os, signal, time
-def relays():
-    \"\"\"Pids of the channel's relays alive in this sandbox: once the daemon has its pipes,
-    a relay (runner/client.py channel) is a cat of its connection to the daemon.\"\"\"
-    found = []
-    for pid in filter(str.isdigit, os.listdir('/proc')):
-        try:
-            argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')
-            stdin = os.readlink(f'/proc/{pid}/fd/0')
-            state = open(f'/proc/{pid}/stat', 'rb').read().rsplit(b')', 1)[1].split()[0]
-        except OSError:
-            continue
-        if argv[0] == b'cat' and stdin.startswith('socket:') and state != b'Z':
-            found.append(int(pid))
-    return found
-"""
 
 
 def test_a_relay_killed_from_a_cell_is_replaced_and_the_runner_kept(kernelspec: str) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,14 +24,22 @@ import pytest
 from jupyter_client import BlockingKernelClient
 
 from engine_helpers import sandbox_status, wait_status
-from fault_proxy import FaultProxy, proxied_engine
-from kernel_helpers import Execution, execute, is_status_line, running_kernel
+from fault_proxy import PROCESS_CREATE, FaultProxy, proxied_engine
+from kernel_helpers import RELAYS, Execution, execute, is_status_line, running_kernel
 from sandbox_kernel.api import SandboxClient, SandboxStatus
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = pytest.mark.slow
 
 LOOKS = 3  # views of the held transition the kernel takes before the test ends it
+KILL_RELAYS_SOON = RELAYS + """
+import threading
+def kill_relays_soon():
+    time.sleep(1.0)
+    for pid in relays():
+        os.kill(pid, signal.SIGKILL)
+threading.Thread(target=kill_relays_soon, daemon=True).start()
+"""
 
 
 @pytest.fixture
@@ -140,3 +149,26 @@ def test_attach_to_a_sandbox_in_transition_waits_and_keeps_its_python(
     assert f"This notebook now drives sandbox {child} (its Python state kept)" in notes(ok(attached))
     assert proxy.held_views >= LOOKS
     assert ok(execute(kc, "print(os.environ['SANDBOX_ID'], state)")).text() == f"{child} kept\n"
+
+
+def test_a_relay_killed_as_the_sandbox_pauses_is_replaced_once_it_runs_and_keeps_its_python(
+        notebook: tuple[FaultProxy, BlockingKernelClient, str], engine: EngineEndpoint) -> None:
+    """The kernel's relay dies just as the sandbox starts pausing (an auto-pause): a new
+    relay is refused (409) while the sandbox pauses and while it is paused, but the runner
+    lives on. The kernel waits; the next cell resumes the sandbox and runs in the same
+    Python (the refusal was taken for the runner's death, and the notebook's variables lost)."""
+    proxy, kc, sandbox_id = notebook
+    ok(execute(kc, KILL_RELAYS_SOON))
+    proxy.hold_transition(sandbox_id, "pausing")
+    first_held = len(proxy.request_lines)
+    deadline = time.monotonic() + 60
+    while not (proxy.refused_in_transition and proxy.held_views) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    refused = [line for line in proxy.request_lines[first_held:] if PROCESS_CREATE.match(line)]
+    assert refused, "no new relay was asked for while the sandbox paused: the race did not happen"
+    assert proxy.held_views, "the kernel did not look at the sandbox after the refusal"
+    behind_the_kernel(engine, "pause", sandbox_id, SandboxStatus.PAUSED)
+    proxy.release()
+    result = execute(kc, "print(state, len(relays()))")
+    assert ok(result).text() == "kept 1\n", "the same Python, reached through one new relay"
+    assert notes(result)[0] == f"Sandbox {sandbox_id} was paused: resuming…"

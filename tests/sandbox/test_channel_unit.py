@@ -43,6 +43,8 @@ class ScriptedProcess:
         self.relays: list[list[str]] = []  # the arguments of every relay started
         self.killed_at_start = 0  # the next this many relays are killed before they write
         self.input_refused = 0  # the next this many sends are refused (409), as to a relay whose reader died
+        self.refuse_creates = False  # new relays are refused (409), as by a sandbox paused or in a transition
+        self.refused_creates = 0
         self._changed = asyncio.Condition()
 
     async def write(self, data: bytes) -> None:
@@ -66,6 +68,9 @@ class ScriptedProcess:
 
     async def create(self, args: list[str]) -> str:
         """A relay; a new one (after a kill) starts with an output of its own."""
+        if self.refuse_creates:
+            self.refused_creates += 1
+            raise ConflictError("sandbox is paused, not running", status_code=409)
         self.relays.append(args)
         if len(self.relays) > 1:
             async with self._changed:
@@ -332,6 +337,27 @@ async def test_a_relay_killed_again_and_again_ends_the_channel_but_not_the_runne
         await cell
     assert not failure.value.runner_gone and "keeps being killed" in str(failure.value)
     assert len(process.relays) == 1 + channel_module.RELAY_REPLACEMENTS
+
+
+async def test_a_relay_killed_while_the_sandbox_pauses_is_replaced_once_it_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox paused, or in a transition, refuses a new relay (409), but its runner lives
+    on: the channel waits, looking again now and then, and replaces the relay once the
+    session has the sandbox running again; the runner's cells go on."""
+    monkeypatch.setattr(channel_module, "PAUSED_RECHECK_FIRST", 0.01)
+    process, recorder = ScriptedProcess(printing_cell(1)), Recorder()
+    channel = await open_channel(process, recorder)
+    await _until(lambda: bool(process.connects))  # its stream is open: it sees the relay's exit
+    process.sandbox_status, process.refuse_creates = "paused", True
+    await process.exit(b"", signal="SIGKILL")
+    await _until(lambda: process.refused_creates >= 3)
+    assert channel.alive, "a refused relay is not the runner's death"
+    process.sandbox_status, process.refuse_creates = "running", False
+    channel.sandbox_running()  # the session's word, having resumed it
+    done = await run(channel, recorder)
+    assert done["status"] == "ok" and recorder.text() == "0\n"
+    assert len(process.relays) == 2
+    await channel.close()
 
 
 async def test_output_is_acknowledged_so_the_relay_can_write_on() -> None:

@@ -20,6 +20,25 @@ TIMEOUT = 120
 VIA_CREATEOS = os.environ.get("SANDBOX_KERNEL_TEST_VIA_CREATEOS") == "1"
 PROVIDER = "CreateOS" if VIA_CREATEOS else "the local engine"
 
+# Cell code defining relays(): the pids of the kernel's relays alive in its sandbox.
+RELAYS = """
+import os, signal, time
+def relays():
+    \"\"\"Pids of the channel's relays alive in this sandbox: once the daemon has its pipes,
+    a relay (runner/client.py channel) is a cat of its connection to the daemon.\"\"\"
+    found = []
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')
+            stdin = os.readlink(f'/proc/{pid}/fd/0')
+            state = open(f'/proc/{pid}/stat', 'rb').read().rsplit(b')', 1)[1].split()[0]
+        except OSError:
+            continue
+        if argv[0] == b'cat' and stdin.startswith('socket:') and state != b'Z':
+            found.append(int(pid))
+    return found
+"""
+
 
 def plain_traceback(lines: list[str]) -> str:
     """A traceback as text, without IPython's colours."""
