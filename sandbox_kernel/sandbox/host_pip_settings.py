@@ -8,7 +8,7 @@ where a variable is not set, index-url, extra-index-url, trusted-host and cert o
 configuration files (as pip reads them: global, user, site, then PIP_CONFIG_FILE; [install]
 over [global]). They are set in the sandbox at create (its envs, which every command and
 the runner inherit). A CA bundle is a host file the sandbox cannot see: its bytes are
-uploaded to SANDBOX_CA_DIR and the variable names the copy.
+uploaded beside SANDBOX_CA_PREFIX and the variable names the copy.
 
 What is never passed (the sandbox runs code the user did not write: a credential there is
 a credential leaked): an index URL carrying a user, password or query (`user:token@host`),
@@ -22,6 +22,7 @@ An index in a host directory (file://) is not passed: the sandbox cannot see it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -40,7 +41,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sandbox_kernel.host_pip_settings")
 
-SANDBOX_CA_DIR = "/tmp/sandbox-kernel/host-ca"
+# In /tmp, which every sandbox has: an upload's parent directory must exist, and making one
+# was a round trip of its own (an exec) in every new sandbox's start.
+SANDBOX_CA_PREFIX = "/tmp/sandbox-kernel-host-ca-"
 CA_BUNDLE_LIMIT = 4 * 1024 * 1024  # a CA bundle is ~200 KiB; anything far larger is no bundle
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 # The withheld lines this process logged: each is said once, at its first sandbox, not at
@@ -77,13 +80,7 @@ def for_sandbox(settings: Settings) -> HostPipSettings:
 
 async def upload(client: SandboxClient, sandbox_id: str, found: HostPipSettings) -> None:
     """Copy the CA bundles into the sandbox, where its envs say they are."""
-    if not found.files:
-        return
-    response = await client.exec(sandbox_id, "mkdir", ["-p", SANDBOX_CA_DIR])
-    if response.result.exit_code != 0:
-        raise RuntimeError(f"could not make {SANDBOX_CA_DIR} in the sandbox for the host's CA bundle")
-    for path, data in found.files.items():
-        await client.upload_file(sandbox_id, path, data)
+    await asyncio.gather(*(client.upload_file(sandbox_id, path, data) for path, data in found.files.items()))
 
 
 def collect(environ: Mapping[str, str], config_files: list[Path], loopback_alias: str | None,
@@ -174,7 +171,7 @@ def _copy_of(host_path: Path, variable: str, found: HostPipSettings, shared_dirs
     if _shared(resolved, shared_dirs):
         return resolved  # e.g. the system's bundle: no upload at every sandbox's start
     # Named by content: the same bundle behind several variables is copied once.
-    path = f"{SANDBOX_CA_DIR}/{hashlib.sha256(data).hexdigest()[:16]}.pem"
+    path = f"{SANDBOX_CA_PREFIX}{hashlib.sha256(data).hexdigest()[:16]}.pem"
     found.files[path] = data
     return path
 

@@ -17,7 +17,7 @@ import pytest
 from kernel_helpers import execute, running_kernel
 from package_index import PACKAGE, serving_index
 from sandbox_kernel.api.local_engine import HOST_ALIAS
-from sandbox_kernel.sandbox.host_pip_settings import SANDBOX_CA_DIR
+from sandbox_kernel.sandbox.host_pip_settings import SANDBOX_CA_PREFIX
 
 # The loopback index is reached by the local engine's host alias: nothing to check on the
 # CreateOS code path, whose sandboxes cannot reach this host.
@@ -71,7 +71,7 @@ def test_the_hosts_index_and_ca_bundles_reach_pip_in_the_sandbox(
             assert seen["PIP_INDEX_URL"] == alias_url and seen["PIP_TRUSTED_HOST"] == HOST_ALIAS
             # the CA bundles: copies the sandbox can read (the host's paths are not there), same bytes
             assert seen["host paths"] == [False, False]
-            assert all(seen[name].startswith(SANDBOX_CA_DIR + "/") for name in CA_VARIABLES)
+            assert all(seen[name].startswith(SANDBOX_CA_PREFIX) for name in CA_VARIABLES)
             assert seen["hashes"] == hashes
             # the index with credentials: not passed, nor anything of it
             assert seen["PIP_EXTRA_INDEX_URL"] is None and secret not in seen["environ"]

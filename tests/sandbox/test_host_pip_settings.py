@@ -9,14 +9,14 @@ import os
 import sys
 from pathlib import Path
 
-from sandbox_kernel.sandbox.host_pip_settings import SANDBOX_CA_DIR, collect, pip_config_files
+from sandbox_kernel.sandbox.host_pip_settings import SANDBOX_CA_PREFIX, collect, pip_config_files
 
 ALIAS = "host.sandbox.internal"
 CERT = b"-----BEGIN CERTIFICATE-----\nMIIBcorporateCA\n-----END CERTIFICATE-----\n"
 
 
 def copy_path(data: bytes) -> str:
-    return f"{SANDBOX_CA_DIR}/{hashlib.sha256(data).hexdigest()[:16]}.pem"
+    return f"{SANDBOX_CA_PREFIX}{hashlib.sha256(data).hexdigest()[:16]}.pem"
 
 
 def test_variables_pass_a_loopback_index_by_the_alias_and_trusted(tmp_path: Path) -> None:
