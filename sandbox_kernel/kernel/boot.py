@@ -66,6 +66,8 @@ class Boot:
             self.other_version_line = self.session.other_version_line()
         if self.settings.on_shutdown:
             self.session.set_on_shutdown(self.settings.on_shutdown)
+        if self.session.sandbox_id is not None:
+            self.kernel.cells.refusals.count_ahead(self.session, self.session.sandbox_id)
         log.info("%s", self.ready_line())
 
     async def ensure_session(self, out: CellOutput, silent: bool) -> SandboxSession:

@@ -4,8 +4,13 @@ for a cell without refusals where the engine's stream tells their count."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 from sandbox_kernel.kernel.output import CellOutput
 from sandbox_kernel.sandbox.session import SandboxSession
+
+log = logging.getLogger("sandbox_kernel.kernel.egress_refusals")
 
 
 class RefusalNotes:
@@ -15,12 +20,35 @@ class RefusalNotes:
         self.seen: dict[str, int | None] = {}
         # Per sandbox, the engine stream's count of refusals when `seen` was taken.
         self.hinted: dict[str, int | None] = {}
+        # Per sandbox, its count being taken ahead of its first cell (count_ahead).
+        self._ahead: dict[str, asyncio.Task[None]] = {}
 
     def counted(self, sandbox_id: str) -> bool:
         return sandbox_id in self.seen
 
+    def count_ahead(self, session: SandboxSession, sandbox_id: str) -> None:
+        """Take a sandbox's starting count now, in the background: its sandbox has just
+        started, and the frontend has yet to send a cell (the first waits ~0.2 s for IOPub
+        to settle). That cell then need not wait for the request, a round trip to a remote
+        service; `count` takes what this got, or asks again if it failed."""
+        if sandbox_id not in self.seen and sandbox_id not in self._ahead:
+            self._ahead[sandbox_id] = asyncio.get_running_loop().create_task(self._count_quietly(session, sandbox_id))
+
+    async def _count_quietly(self, session: SandboxSession, sandbox_id: str) -> None:
+        try:
+            await self._take_count(session, sandbox_id)
+        except Exception as exc:  # the first cell asks again and says why, if it fails again
+            log.warning("could not count the egress refusals ahead of the first cell: %s", exc)
+
     async def count(self, session: SandboxSession, sandbox_id: str) -> None:
         """The count a sandbox's first cell starts from (an attached one has refusals already)."""
+        ahead = self._ahead.pop(sandbox_id, None)
+        if ahead is not None:
+            await ahead
+        if not self.counted(sandbox_id):
+            await self._take_count(session, sandbox_id)
+
+    async def _take_count(self, session: SandboxSession, sandbox_id: str) -> None:
         self.hinted[sandbox_id] = session.egress_refusals_hint()
         self.seen[sandbox_id] = (await session.get_egress()).denied_count
 

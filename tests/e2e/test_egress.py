@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -125,6 +126,27 @@ def test_refusals_are_named_after_any_cell_with_one_line_to_permit_them(
                      f"sandbox-kernel: egress refused {HOST_ALIAS}:{b}: no rule allows {HOST_ALIAS}:{b}",
                      f"sandbox-kernel: %egress allow {HOST_ALIAS}:{b} {HOST_ALIAS}:{closed} permits them"], lines
     assert execute(kc, f"print(fetch({a}))").text("stderr") == "", "each refusal is named once"
+
+
+def test_the_first_cells_starting_count_is_taken_before_the_cell_is_sent(
+        kernelspec: str, engine: EngineEndpoint, servers: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count the first cell's refusals are named from is asked for once the sandbox has
+    started, while the frontend has yet to send a cell: that cell does not wait for it (a
+    round trip to a remote service). A refusal in that first cell is still named."""
+    a, b = servers
+    with proxied_engine(engine, monkeypatch) as proxy, \
+            running_kernel(kernelspec, extra_arguments=[f"--SandboxKernel.egress=127.0.0.1:{a}"]) as (_, kc):
+        def first(pattern: bytes) -> int | None:
+            return next((i for i, line in enumerate(proxy.request_lines) if pattern in line), None)
+
+        deadline = time.monotonic() + 60
+        while first(b"/egress ") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first(b"/egress ") is not None, "no count was taken before a cell came"
+        assert first(b"/input ") is None, "no cell was sent yet"
+        refused = execute(kc, FETCH + f"print(fetch({b}))")
+        assert refused.text().startswith("HTTP 403")
+        assert f"sandbox-kernel: egress refused {HOST_ALIAS}:{b}" in refused.text("stderr"), refused.outputs
 
 
 def test_a_cell_without_refusals_costs_no_request(kernelspec: str, engine: EngineEndpoint, servers: tuple[int, int],
