@@ -177,7 +177,8 @@ async def measure(env: BenchEnv, rtt: float, starts: int, cells: int) -> list[Ro
             ("trivial cell (`x = 1`)", "cell", cell_counts, "1 round trip", 1),
             ("a cold kernel start until its first cell has answered", "start",
              (statistics.median(counts["start requests"]), statistics.median(counts["start round trips"])),
-             "<= 8 round trips (7 to start, as before, and the cell's)", 8)):
+             "<= 6 round trips (the create; the setup's uploads and look; the runner's start; "
+             "its relay; the relay's stream; the cell)", 6)):
         row = Row(f"cloud, {rtt * 1000:g} ms round trip: {label}", "ms", ms(times[kind]["far"]), None,
                   f"{target}; {round_trips_made:g} round trips, {requests_made:g} requests "
                   f"({statistics.median(times[kind]['near']) * 1000:.1f} ms without the delay)")
