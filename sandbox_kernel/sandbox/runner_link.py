@@ -91,6 +91,10 @@ class RunnerLink:
         self._replacing_runner = False
 
     @property
+    def opens_channels(self) -> bool:
+        return self._opens_channels
+
+    @property
     def has_channel(self) -> bool:
         """Does a channel carry the runner's events (the exec fallback carries no debugger's)?"""
         return self._channel is not None

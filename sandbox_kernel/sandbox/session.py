@@ -88,7 +88,7 @@ class Prepared:
     channel yet)."""
 
     sandbox_id: str
-    runner_info: dict[str, Any]
+    runner_info: dict[str, Any]  # empty for a warm pool member's runner, not asked yet (_take_member)
 
 
 class EarlySandbox(Protocol):
@@ -273,13 +273,28 @@ class SandboxSession:
         prepared = await early.prepared_for(self._settings)
         if prepared is None:
             return False
-        self._sandbox_id, self._runner_info = prepared.sandbox_id, prepared.runner_info
+        self._sandbox_id = prepared.sandbox_id
         ownership.drive(prepared.sandbox_id)
         # Together: one round trip (30 ms and more to a provider in the cloud), not two.
-        view, _ = await asyncio.gather(self._client().get_sandbox(prepared.sandbox_id), self.link.connect())
+        view, _ = await asyncio.gather(self._client().get_sandbox(prepared.sandbox_id),
+                                       self._reach_prepared_runner(prepared.runner_info))
         self._track(view)
         self._refill_pool_later()
         return True
+
+    async def _reach_prepared_runner(self, known_info: dict[str, Any]) -> None:
+        """Open the channel to the runner of a sandbox made early. A warm pool member's runner
+        is asked for its info over that channel (see _take_member); if none answers there
+        (it died while pooled), a runner is started."""
+        if known_info:
+            self._runner_info = known_info
+            await self.link.connect()
+            return
+        info = await self.link.serving_runner_info()
+        if info is None:
+            await self._start_runner()
+        else:
+            self._runner_info = info
 
     # -- warm pool (pool.py) ----------------------------------------------------------------
 
@@ -304,8 +319,11 @@ class SandboxSession:
 
     async def _take_member(self, sandbox_id: str) -> None:
         """Drive a claimed member, with this kernel's auto-pause (the member's was the pool's
-        short one); on failure the session is left without it."""
-        await self.attach(sandbox_id, fresh_runner=False)
+        short one); on failure the session is left without it. A session that opens no channel
+        (the early start's) does not ask the member's runner for its info: the session taking
+        the sandbox over asks over the channel it keeps (_reach_prepared_runner), where an exec
+        here started one more Python in the sandbox while the kernel was importing."""
+        await self.attach(sandbox_id, fresh_runner=False, ask_runner=self.link.opens_channels)
         auto_pause = self._settings.auto_pause
         try:
             await self._client().patch_sandbox(sandbox_id, PatchSandboxRequest(disable_auto_pause=True)
@@ -342,12 +360,13 @@ class SandboxSession:
             await self._pool_refill.stop()
 
     async def attach(self, sandbox_id: str, fresh_runner: bool = False,
-                     progress: Progress | None = None) -> bool:
+                     progress: Progress | None = None, ask_runner: bool = True) -> bool:
         """Drive `sandbox_id` from now on; return True if its running runner was kept.
 
         A runner already alive in it (a fork's, or another notebook's) is kept with its
         state, unless fresh_runner asks for a new one; even one of another bundle (another
         sandbox-kernel version, see other_version_line): its variables are the user's.
+        ask_runner=False: the runner is taken to serve, unasked (see _take_member).
         """
         client = self._client()
         view = self._track(await client.get_sandbox(sandbox_id))
@@ -361,6 +380,9 @@ class SandboxSession:
             if view.status != SandboxStatus.RUNNING:
                 await self._wake(progress)
             if not fresh_runner:
+                if not ask_runner:
+                    self._runner_info = {}
+                    return True
                 info = await self.link.serving_runner_info()
                 if info is not None:
                     self._runner_info = info

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from engine_helpers import sandbox_status
+from engine_helpers import sandbox_pids, sandbox_status, wait_status
 from kernel_helpers import execute, running_kernel
 from sandbox_kernel.sandbox import pool
 from sandbox_kernel.api import CreateSandboxRequest, SandboxClient, SandboxStatus
 from sandbox_kernel.config import ENV_VARS, ConfigError, Settings
+from sandbox_kernel.sandbox.runner_setup import RUNNER_DIR
 from sandbox_kernel.local.service import EngineEndpoint
 from cli_helpers import cli
 
@@ -84,6 +87,40 @@ def test_kernels_start_on_pooled_sandboxes_never_the_same_one_and_the_pool_refil
             context.__exit__(None, None, None)
         destroy_all(engine, pooled)
     assert all(sandbox_status(engine, s) in (SandboxStatus.DESTROYED, None) for s in claimed)
+
+
+@pytest.mark.slow
+def test_a_pooled_sandbox_whose_runner_died_gets_a_new_one_when_a_kernel_takes_it(
+        kernelspec: str, engine: EngineEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel's early start claims a pooled sandbox without asking its runner (an exec there
+    started one more Python while the kernel imported); the kernel asks over the channel it
+    opens, and where no runner answers (this one was killed while pooled) it starts one."""
+    monkeypatch.setenv(ENV_VARS["warm_pool"], "1")
+    warm = pool.WarmPool.for_settings(Settings.from_env(), 1)
+    pooled: set[str] = set()
+    try:
+        with running_kernel(kernelspec) as (_, first):
+            execute(first, "1")
+            pooled = wait_full(warm)
+        [member] = pooled
+
+        async def running() -> None:  # a member pauses itself when idle: killing needs it thawed
+            async with SandboxClient(engine.url, engine.token) as client:
+                if (await client.get_sandbox(member)).status != SandboxStatus.RUNNING:
+                    await client.resume_sandbox(member)
+                    await wait_status(client, member, SandboxStatus.RUNNING)
+
+        asyncio.run(running())
+        [daemon] = sandbox_pids(member, needle=b"serve\0" + RUNNER_DIR.encode())
+        os.kill(daemon, signal.SIGKILL)
+        with running_kernel(kernelspec) as (_, kc):
+            result = execute(kc, SANDBOX_ID + "\nx = 6 * 7")
+            assert result.reply["content"]["status"] == "ok", result.text("stderr")
+            assert result.text() == f"{member}\n", "the pooled sandbox was taken"
+            assert execute(kc, "print(x)").text() == "42\n"
+            pooled = wait_full(warm)
+    finally:
+        destroy_all(engine, pooled)
 
 
 def test_gc_keeps_fresh_pool_members_and_destroys_stale_ones(engine: EngineEndpoint) -> None:
