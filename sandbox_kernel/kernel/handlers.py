@@ -24,6 +24,7 @@ own loop; the sandbox session lives on the shell's (on_main_loop).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import logging
@@ -267,8 +268,11 @@ class SandboxKernel(Kernel):
                                     "details are in the kernel's log")
         finally:
             self.cells_executing -= 1
-            CELL_COUNT.reset(count)
-            REQUEST_PARENT.reset(request)
+            # A request the kernel dies in the middle of is closed when it is collected, in
+            # another context, where its tokens cannot be reset (a ValueError logged at exit).
+            with contextlib.suppress(ValueError):
+                CELL_COUNT.reset(count)
+                REQUEST_PARENT.reset(request)
         if reply["status"] == "error" and not silent and parent["content"].get("stop_on_error", True):
             subshell_id = parent["header"].get("subshell_id")
             super()._abort_queues(subshell_id)
