@@ -8,7 +8,7 @@ where a variable is not set, index-url, extra-index-url, trusted-host and cert o
 configuration files (as pip reads them: global, user, site, then PIP_CONFIG_FILE; [install]
 over [global]). They are set in the sandbox at create (its envs, which every command and
 the runner inherit). A CA bundle is a host file the sandbox cannot see: its bytes are
-uploaded beside SANDBOX_CA_PREFIX and the variable names the copy.
+uploaded to a file named SANDBOX_CA_PREFIX + its hash, and the variable names the copy.
 
 What is never passed (the sandbox runs code the user did not write: a credential there is
 a credential leaked): an index URL carrying a user, password or query (`user:token@host`),
