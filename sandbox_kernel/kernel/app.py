@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -10,6 +11,9 @@ from ipykernel.kernelapp import IPKernelApp
 
 from sandbox_kernel.kernel.allocator import reuse_large_buffers
 from sandbox_kernel.kernel.handlers import SandboxKernel
+
+# At exit, how long the control thread has to finish the message it handles (its last status).
+CONTROL_THREAD_WAIT = 2.0
 
 
 def main() -> None:
@@ -31,3 +35,18 @@ def main() -> None:
     # `--IPKernelApp.log_level=INFO` shows them; by default stderr stays as quiet as ipykernel's.
     logging.getLogger("sandbox_kernel").setLevel(app.log_level)
     app.start()
+    _let_the_control_thread_finish(app)
+
+
+def _let_the_control_thread_finish(app: IPKernelApp) -> None:
+    """The kernel's loops have stopped (a shutdown_request, or the runner's death). ipykernel's
+    close, at exit, closes IOPub first and stops the control thread after, while that thread
+    may still be publishing the idle status that ends its shutdown_request: a send on a socket
+    closed under it, a ZMQError, or inside libzmq an abort (signaler.cpp's assertion: the
+    kernel ended with status -6). So the control thread ends first."""
+    control = app.control_thread
+    if control is None or not control.is_alive():
+        return
+    with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: it is ending anyway
+        control.stop()
+    control.join(CONTROL_THREAD_WAIT)
