@@ -289,12 +289,18 @@ class SandboxSession:
         if known_info:
             self._runner_info = known_info
             await self.link.connect()
-            return
-        info = await self.link.serving_runner_info()
-        if info is None:
-            await self._start_runner()
         else:
+            await self._keep_serving_runner()
+
+    async def _keep_serving_runner(self) -> bool:
+        """Reach the runner serving in the current sandbox (True), or start one where none
+        answers or none this kernel can drive (False)."""
+        info = await self.link.serving_runner_info()
+        if info is not None:
             self._runner_info = info
+            return True
+        await self._start_runner()
+        return False
 
     # -- warm pool (pool.py) ----------------------------------------------------------------
 
@@ -379,16 +385,13 @@ class SandboxSession:
         try:
             if view.status != SandboxStatus.RUNNING:
                 await self._wake(progress)
-            if not fresh_runner:
-                if not ask_runner:
-                    self._runner_info = {}
-                    return True
-                info = await self.link.serving_runner_info()
-                if info is not None:
-                    self._runner_info = info
-                    return True
-            await self._start_runner()  # none there, or none this kernel can drive
-            return False
+            if fresh_runner:
+                await self._start_runner()
+                return False
+            if not ask_runner:
+                self._runner_info = {}
+                return True
+            return await self._keep_serving_runner()
         except BaseException:  # a failed attach leaves the notebook on its sandbox
             self._sandbox_id, self._runner_info = previous
             raise
