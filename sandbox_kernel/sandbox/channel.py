@@ -3,8 +3,8 @@
 At start (and after every runner start or sandbox switch) the session's link (runner_link.py)
 starts one managed process in the sandbox, `guest/runner/client.py channel DIR`: a relay that
 hands its stdin and stdout to the runner daemon, which serves the channel on them (the relay
-stays as `cat` of its connection to the daemon, the service's handle on it). Every request (run a cell, interrupt, input answer, complete, inspect,
-info) is one stdin line, sent with the process `input` call; every event comes back on
+stays as `cat` of its connection to the daemon, the service's handle on it). Every request
+(run a cell, interrupt, input answer, complete, inspect, info) is one stdin line, sent with the process `input` call; every event comes back on
 the process's output stream, which the kernel follows with one `connect` for its
 lifetime. Events name their cell (`"cell": id`), or `"cell": null` for output produced
 between cells (a background thread, a subprocess), which the kernel shows on the parent
@@ -271,8 +271,10 @@ class RunnerChannel:
             # Refused: the sandbox is paused (the caller resumes it and asks again), or the
             # relay's input has no reader any more (the relay ended, or the daemon that
             # read it died). Then the stream's reader settles it: a new relay, which is
-            # sent the cells in flight again, or the channel's end.
-            if self.failure is not None or await self._sandbox_paused():
+            # sent the cells in flight again, or the channel's end, which may have come
+            # while the input was on its way (then its reason, a runner death say, is the answer).
+            self._check()
+            if await self._sandbox_paused():
                 raise
             await self._relay_settled(process_id)
             self._check()

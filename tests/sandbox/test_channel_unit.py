@@ -8,7 +8,7 @@ import asyncio
 import base64
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -43,6 +43,7 @@ class ScriptedProcess:
         self.relays: list[list[str]] = []  # the arguments of every relay started
         self.killed_at_start = 0  # the next this many relays are killed before they write
         self.input_refused = 0  # the next this many sends are refused (409), as to a relay whose reader died
+        self.while_refusing: Callable[[], Awaitable[None]] | None = None  # awaited before a send's refusal
         self.refuse_creates = False  # new relays are refused (409), as by a sandbox paused or in a transition
         self.refused_creates = 0
         self._changed = asyncio.Condition()
@@ -123,6 +124,8 @@ class ScriptedProcess:
     async def send(self, process_id: str, data: bytes) -> None:
         if self.input_refused:
             self.input_refused -= 1
+            if self.while_refusing is not None:
+                await self.while_refusing()
             raise ConflictError("stdin: Broken pipe", status_code=409)
         self.sent.append(data)
         request = json.loads(data)
@@ -299,6 +302,22 @@ async def test_a_cell_its_relay_refused_is_sent_by_the_next_relay_or_fails_with_
     await process.exit(b'{"error": "daemon unreachable: [Errno 111] Connection refused"}\n', exit_code=1)
     with pytest.raises(RunnerTransportError) as failure:
         await cell
+    assert failure.value.runner_gone and "daemon unreachable" in str(failure.value)
+
+
+async def test_a_cell_refused_by_a_relay_whose_channel_ended_meanwhile_fails_with_the_channels_reason() -> None:
+    """The runner killed through another transport: its relay reports the daemon gone, and the
+    channel ends, while a cell's input to that relay is on its way and then refused. The
+    cell fails with the channel's reason (a runner death), not the bare refusal."""
+    process, recorder = ScriptedProcess(lambda request: []), Recorder()
+    channel = await open_channel(process, recorder)
+
+    async def channel_ends() -> None:
+        await process.exit(b'{"error": "daemon unreachable: [Errno 111] Connection refused"}\n', exit_code=1)
+        await _until(lambda: channel.failure is not None)
+    process.input_refused, process.while_refusing = 1, channel_ends
+    with pytest.raises(RunnerTransportError) as failure:
+        await run(channel, recorder)
     assert failure.value.runner_gone and "daemon unreachable" in str(failure.value)
 
 
