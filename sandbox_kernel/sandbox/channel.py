@@ -59,6 +59,7 @@ from sandbox_kernel.api import (
     ProtocolError,
     SandboxAPIError,
     SandboxClient,
+    SandboxStatus,
 )
 from sandbox_kernel.sandbox.event_lines import parse_event_line
 from sandbox_kernel.sandbox.transport import (RECONNECT_DELAYS, RECOVERABLE, EventHandler, RunnerTransportError,
@@ -79,9 +80,9 @@ RELAY_REPLACEMENTS = 3
 # the channel (it learns either from the relay's exit on the stream, moments later).
 RELAY_SETTLE_WAIT = 10.0
 # A reader that found the sandbox paused waits for the session to resume it (its next cell
-# does); in case someone else resumes it, it asks the service again after a minute, then
-# ever less often up to five (an idle paused notebook should cost the service next to nothing).
-PAUSED_RECHECK_FIRST, PAUSED_RECHECK_MAX = 60.0, 300.0
+# does); in case someone else resumes it, it asks the service again every five minutes (an
+# idle paused notebook should cost the service next to nothing).
+PAUSED_RECHECK = 300.0
 # Statuses with which a provider says it has no managed processes.
 NO_PROCESSES = (404, 405, 501)
 
@@ -106,7 +107,7 @@ class ProcessTransport(Protocol):
 
     async def kill(self, process_id: str) -> None: ...
 
-    async def sandbox_paused(self) -> bool: ...
+    async def sandbox_status(self) -> SandboxStatus: ...
 
 
 class SandboxProcesses:
@@ -143,11 +144,9 @@ class SandboxProcesses:
     async def kill(self, process_id: str) -> None:
         await self.client.kill_process(self.sandbox_id, process_id)
 
-    async def sandbox_paused(self) -> bool:
-        """True while the sandbox is paused or on its way there or back (its next cell resumes
-        it); raises NotFoundError once the sandbox is gone."""
-        sandbox = await self.client.get_sandbox(self.sandbox_id)
-        return sandbox.status.is_pause_like
+    async def sandbox_status(self) -> SandboxStatus:
+        """Raises NotFoundError once the sandbox is gone."""
+        return (await self.client.get_sandbox(self.sandbox_id)).status
 
 
 @dataclass
@@ -308,13 +307,14 @@ class RunnerChannel:
     async def _read_forever(self) -> None:
         failures = 0
         replacements = 0
-        paused_recheck = PAUSED_RECHECK_FIRST
+        refused = False  # the last attempt to follow the stream was refused (409)
         try:
             while True:
                 progress = self._reading.seq
                 dropped_by: Exception | None = None
                 try:
                     async with self.transport.connect(self.process_id, self._reading.seq) as frames:
+                        refused = False
                         async for frame in frames:
                             if await self._take(frame):
                                 return
@@ -331,15 +331,19 @@ class RunnerChannel:
                     log.warning("channel stream dropped after seq %d: %s", self._reading.seq, exc)
                     dropped_by = exc
                 except ConflictError:
-                    # Not running: paused (its next cell resumes it, the stream then goes on),
-                    # or destroyed or failed, which ends the runner (the outer handler).
+                    # Not running: paused (its next cell resumes it, and the stream replays
+                    # from where it stopped), or ended, which ends the runner (the outer
+                    # handler). Paused is by far the likelier, so an idle channel's first
+                    # refusal is not looked into, a second in a row is: the cut streams of a
+                    # hundred paused notebooks cost the service one request each, not two.
                     self._running_again.clear()
-                    if not await self._sandbox_paused():
-                        raise
-                    # Nothing runs in a paused sandbox, and the stream replays from where it
-                    # stopped.
-                    paused_recheck = await self._wait_while_paused(paused_recheck)
-                    continue
+                    status = await self._sandbox_status() if refused or self._cells or self._replies else None
+                    if status is not SandboxStatus.RUNNING:  # (else resumed just now: try again soon)
+                        if status is not None and not status.is_pause_like:
+                            raise
+                        refused = True
+                        await self._wait_while_paused()
+                        continue
                 if self._reading.seq > progress:
                     failures = 0
                 if failures == len(RECONNECT_DELAYS):
@@ -359,24 +363,19 @@ class RunnerChannel:
             log.exception("the channel reader failed")
             self._end(RunnerTransportError(f"internal error in the channel ({type(exc).__name__}: {exc})"))
 
-    async def _wait_while_paused(self, recheck: float) -> float:
-        """Wait for the session's word that the sandbox runs again, or `recheck` seconds,
-        after which the caller asks the service again (someone else may resume it); the
-        next wait's length, ever longer while nobody resumes it."""
-        # With work in flight (paused by someone else mid-cell), look as often as a dropped
-        # stream would; the long waits are for an idle notebook.
+    async def _wait_while_paused(self) -> None:
+        """Wait for the session's word that the sandbox runs again, or PAUSED_RECHECK seconds,
+        after which the caller tries again (someone else may have resumed it)."""
+        # With work in flight (paused by someone else mid-cell), try as often as for a dropped
+        # stream; the long waits are for an idle notebook.
         busy = bool(self._cells or self._replies)
-        try:
-            await asyncio.wait_for(self._running_again.wait(), RECONNECT_DELAYS[-1] if busy else recheck)
-            return PAUSED_RECHECK_FIRST
-        except asyncio.TimeoutError:
-            return min(recheck * 2, PAUSED_RECHECK_MAX)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._running_again.wait(), RECONNECT_DELAYS[-1] if busy else PAUSED_RECHECK)
 
     async def _replace_relay_once_running(self) -> None:
         """A new relay for a killed one. A sandbox paused or in a transition refuses a new
         process (409), but its runner lives on: the new relay waits for it to run again
         (taking the refusal for the runner's death would lose the notebook's Python)."""
-        recheck = PAUSED_RECHECK_FIRST
         while True:
             try:
                 await self._replace_relay()
@@ -385,7 +384,7 @@ class RunnerChannel:
                 self._running_again.clear()
                 if not await self._sandbox_paused():
                     raise
-            recheck = await self._wait_while_paused(recheck)
+            await self._wait_while_paused()
 
     async def _replace_relay(self) -> None:
         """A new relay in place of one that was killed; each cell in flight is asked for
@@ -405,15 +404,21 @@ class RunnerChannel:
                 await self.transport.send(self.process_id, _request_line({**follow.request,
                                                                           protocol.AFTER: follow.last_seq}))
 
-    async def _sandbox_paused(self) -> bool:
+    async def _sandbox_status(self) -> SandboxStatus | None:
+        """None if it cannot be known now (then wait and ask again, as for a paused sandbox)."""
         try:
-            paused = await self.transport.sandbox_paused()
-        except RECOVERABLE as exc:  # not known now: wait and ask again, as for a paused sandbox
+            status = await self.transport.sandbox_status()
+        except RECOVERABLE as exc:
             log.warning("could not read the sandbox's state: %s", exc)
-            return True
-        if not paused:  # a reader waiting out a pause need not wait for the session's word
+            return None
+        if not status.is_pause_like:  # a reader waiting out a pause need not wait for the session's word
             self._running_again.set()
-        return paused
+        return status
+
+    async def _sandbox_paused(self) -> bool:
+        """Paused or on its way there or back (its next cell resumes it), or not known now."""
+        status = await self._sandbox_status()
+        return status is None or status.is_pause_like
 
     async def _take(self, frame: ProcessFrame) -> bool:
         """Handle one frame; True once the relay has exited."""

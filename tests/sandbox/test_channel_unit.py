@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from sandbox_kernel.sandbox import channel as channel_module
-from sandbox_kernel.api import APITransportError, ConflictError, ProcessFrame
+from sandbox_kernel.api import APITransportError, ConflictError, ProcessFrame, SandboxStatus
 from sandbox_kernel.sandbox.channel import ACK_EVERY, RunnerChannel
 from sandbox_kernel.sandbox.transport import RunnerTransportError
 
@@ -38,8 +38,10 @@ class ScriptedProcess:
         self.sent: list[bytes] = []
         self.exit_frame: dict[str, Any] | None = None
         self.connect_fails = 0  # the next this many connects fail at once
-        self.sandbox_status = "running"  # another status: connects are refused (409)
+        self.status = "running"  # another status: connects are refused (409)
         self.status_fails = 0  # the next this many reads of the sandbox's status fail at once
+        self.status_reads = 0
+        self.resumed_by_the_look = False  # a read of the status finds the sandbox running
         self.relays: list[list[str]] = []  # the arguments of every relay started
         self.killed_at_start = 0  # the next this many relays are killed before they write
         self.input_refused = 0  # the next this many sends are refused (409), as to a relay whose reader died
@@ -62,7 +64,7 @@ class ScriptedProcess:
     async def destroy_sandbox(self) -> None:
         """The sandbox ends under the process: the open stream ends in an error frame."""
         async with self._changed:
-            self.sandbox_status = "destroyed"
+            self.status = "destroyed"
             self._changed.notify_all()
 
     # -- ProcessTransport
@@ -87,8 +89,8 @@ class ScriptedProcess:
         if self.connect_fails:
             self.connect_fails -= 1
             raise APITransportError("connection refused")
-        if self.sandbox_status != "running":
-            raise ConflictError(f"sandbox is {self.sandbox_status}, not running", status_code=409)
+        if self.status != "running":
+            raise ConflictError(f"sandbox is {self.status}, not running", status_code=409)
         cut = self.cuts[len(self.connects) - 1] if len(self.connects) <= len(self.cuts) else None
         yield self._frames(max(0, after - self.rewind), cut)
 
@@ -102,8 +104,8 @@ class ScriptedProcess:
         while True:
             async with self._changed:
                 await self._changed.wait_for(lambda: len(self.output) > seq or self.exit_frame is not None
-                                             or self.sandbox_status == "destroyed")
-            if self.sandbox_status == "destroyed":
+                                             or self.status == "destroyed")
+            if self.status == "destroyed":
                 yield ProcessFrame.from_wire({"type": "error", "error": "the sandbox ended"})
                 return
             if len(self.output) > seq:
@@ -136,11 +138,14 @@ class ScriptedProcess:
     async def kill(self, process_id: str) -> None:
         pass
 
-    async def sandbox_paused(self) -> bool:
+    async def sandbox_status(self) -> SandboxStatus:
+        self.status_reads += 1
         if self.status_fails:
             self.status_fails -= 1
             raise APITransportError("connection refused")
-        return self.sandbox_status == "paused"
+        if self.resumed_by_the_look:
+            self.status = "running"
+        return SandboxStatus(self.status)
 
 
 async def _until(condition: Callable[[], bool], within: float = 10.0) -> None:
@@ -181,7 +186,7 @@ class Recorder:
 @pytest.fixture(autouse=True)
 def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(channel_module, "RECONNECT_DELAYS", (0.0,) * 4)
-    monkeypatch.setattr(channel_module, "PAUSED_RECHECK_FIRST", 0.0)
+    monkeypatch.setattr(channel_module, "PAUSED_RECHECK", 0.0)
 
 
 async def open_channel(process: ScriptedProcess, recorder: Recorder) -> RunnerChannel:
@@ -363,15 +368,15 @@ async def test_a_relay_killed_while_the_sandbox_pauses_is_replaced_once_it_runs(
     """A sandbox paused, or in a transition, refuses a new relay (409), but its runner lives
     on: the channel waits, looking again now and then, and replaces the relay once the
     session has the sandbox running again; the runner's cells go on."""
-    monkeypatch.setattr(channel_module, "PAUSED_RECHECK_FIRST", 0.01)
+    monkeypatch.setattr(channel_module, "PAUSED_RECHECK", 0.01)
     process, recorder = ScriptedProcess(printing_cell(1)), Recorder()
     channel = await open_channel(process, recorder)
     await _until(lambda: bool(process.connects))  # its stream is open: it sees the relay's exit
-    process.sandbox_status, process.refuse_creates = "paused", True
+    process.status, process.refuse_creates = "paused", True
     await process.exit(b"", signal="SIGKILL")
     await _until(lambda: process.refused_creates >= 3)
     assert channel.alive, "a refused relay is not the runner's death"
-    process.sandbox_status, process.refuse_creates = "running", False
+    process.status, process.refuse_creates = "running", False
     channel.sandbox_running()  # the session's word, having resumed it
     done = await run(channel, recorder)
     assert done["status"] == "ok" and recorder.text() == "0\n"
@@ -428,11 +433,50 @@ async def test_a_destroyed_sandbox_ends_the_cell_as_a_runner_death() -> None:
 
 async def test_a_paused_sandbox_keeps_the_cell_waiting_until_it_resumes() -> None:
     process, recorder = ScriptedProcess(printing_cell(0)), Recorder()
-    process.sandbox_status, process.status_fails = "paused", 2  # a failed status read is no verdict
+    process.status, process.status_fails = "paused", 2  # a failed status read is no verdict
     channel = await open_channel(process, recorder)
     await _until(lambda: len(process.connects) >= 3)  # refused, and tried again
-    process.sandbox_status = "running"
+    process.status = "running"
     await asyncio.wait_for(run(channel, recorder), 10)
+    await channel.close()
+
+
+async def test_an_idle_channels_refused_stream_waits_without_asking_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service paused the sandbox and the idle channel's stream was cut: the refused
+    reconnect is its one request until the session says the sandbox runs (its next cell
+    resumed it) or the recheck comes; a hundred such notebooks cost one request each."""
+    monkeypatch.setattr(channel_module, "PAUSED_RECHECK", 3600.0)
+    process, recorder = ScriptedProcess(printing_cell(1)), Recorder()
+    process.status = "paused"
+    channel = await open_channel(process, recorder)
+    await _until(lambda: len(process.connects) == 1)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert (len(process.connects), process.status_reads) == (1, 0)
+    process.status = "running"
+    channel.sandbox_running()
+    assert (await asyncio.wait_for(run(channel, recorder), 10))["status"] == "ok"
+    assert recorder.text() == "0\n" and process.status_reads == 0
+    await channel.close()
+
+
+async def test_an_idle_channel_refused_twice_asks_why_and_ends_with_its_sandbox() -> None:
+    process, recorder = ScriptedProcess(lambda request: []), Recorder()
+    process.status = "error"
+    channel = await open_channel(process, recorder)
+    await _until(lambda: channel.failure is not None)
+    assert channel.failure is not None and channel.failure.runner_gone
+    assert (len(process.connects), process.status_reads) == (2, 1)
+
+
+async def test_a_sandbox_found_running_after_its_refusal_is_followed_again() -> None:
+    """Refused while resuming, then running when looked at: followed again, not taken for
+    the runner's end (which, before, restarted the notebook's Python)."""
+    process, recorder = ScriptedProcess(printing_cell(1)), Recorder()
+    process.status, process.resumed_by_the_look = "resuming", True
+    channel = await open_channel(process, recorder)
+    assert (await asyncio.wait_for(run(channel, recorder), 10))["status"] == "ok"
+    assert channel.alive and process.status_reads == 1
     await channel.close()
 
 
