@@ -22,6 +22,16 @@ def state_dir() -> Path:
     return path
 
 
+def connection_file_argument(argv: list[str]) -> str | None:
+    """The connection file a kernel's command line names (`-f FILE`), if it names one."""
+    for index, arg in enumerate(argv):
+        if arg == "-f" and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith(("-f=", "--f=")):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def handoff_path(connection_file: str) -> Path:
     """Where a restarting kernel leaves its sandbox for its successor, which jupyter_client
     starts with the same connection file."""

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
+from typing import Any
 
+import zmq
 from ipykernel.kernelapp import IPKernelApp
 
+from sandbox_kernel.kernel import early_listen
 from sandbox_kernel.kernel.allocator import reuse_large_buffers
 from sandbox_kernel.kernel.handlers import SandboxKernel
 
@@ -26,7 +30,9 @@ def main() -> None:
     # At exit the control thread's flush after its shutdown_reply waited for IOPub, which
     # ipykernel had stopped already, and the kernel lingered 10 s (killed by jupyter_client).
     app = IPKernelApp.instance(kernel_class=SandboxKernel, outstream_class=None)
+    _bind_onto_early_listeners(app)
     app.initialize()
+    early_listen.close_unused()
     # traitlets leaves the app's logger at DEBUG and filters in its handlers: every debug line
     # of ipykernel's (several a message, the message formatted whole) was made, then dropped.
     # The logger now lets through only what some handler of it would write.
@@ -36,6 +42,29 @@ def main() -> None:
     logging.getLogger("sandbox_kernel").setLevel(app.log_level)
     app.start()
     _let_the_control_thread_finish(app)
+
+
+def _bind_onto_early_listeners(app: IPKernelApp) -> None:
+    """ipykernel's zmq sockets bound onto the ports kernel/__main__ listens on already
+    (early_listen.py), so the connections and requests waiting there are theirs. The app's
+    own method is wrapped on this instance rather than in a subclass: the subclass's name
+    would become the prefix of the app's log lines, and tools such as nbclient expect
+    "[IPKernelApp]"."""
+    bind = app._bind_socket
+
+    def bind_socket(socket: zmq.Socket[Any], port: int) -> int:
+        fd = early_listen.take(app.ip, port) if app.transport == "tcp" else None
+        if fd is None:
+            return bind(socket, port)
+        socket.setsockopt(zmq.USE_FD, fd)
+        try:
+            return bind(socket, port)
+        except zmq.ZMQError:  # the listener would not do: the port is free for a bind of zmq's own
+            socket.setsockopt(zmq.USE_FD, -1)
+            os.close(fd)
+            return bind(socket, port)
+
+    app._bind_socket = bind_socket  # type: ignore[method-assign]
 
 
 def _let_the_control_thread_finish(app: IPKernelApp) -> None:

@@ -27,7 +27,7 @@ import time
 
 from sandbox_kernel.api import SandboxAPIError
 from sandbox_kernel.config import ConfigError, Settings, open_client
-from sandbox_kernel.paths import handoff_path
+from sandbox_kernel.paths import connection_file_argument, handoff_path
 from sandbox_kernel.sandbox import ownership
 from sandbox_kernel.sandbox.session import Prepared, SandboxSession
 
@@ -121,7 +121,7 @@ def begin(argv: list[str]) -> None:
     global _pending
     if any(arg.startswith(KERNEL_ARGUMENT) for arg in argv):
         return
-    connection_file = _connection_file(argv)
+    connection_file = connection_file_argument(argv)
     try:
         if connection_file is None or handoff_path(connection_file).exists():  # a restart's successor
             return
@@ -139,12 +139,3 @@ def take() -> EarlyStart | None:
     global _pending
     early, _pending = _pending, None
     return early
-
-
-def _connection_file(argv: list[str]) -> str | None:
-    for index, arg in enumerate(argv):
-        if arg == "-f" and index + 1 < len(argv):
-            return argv[index + 1]
-        if arg.startswith(("-f=", "--f=")):
-            return arg.split("=", 1)[1]
-    return None
