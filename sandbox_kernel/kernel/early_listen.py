@@ -6,8 +6,8 @@ part of it, 100 to 200 ms; a kernel that binds its sockets just after a retry wa
 next. Measured on a warm start: kernel_info reached the kernel 280-330 ms after the launch,
 ~200 ms with a client that retries every 10 ms. These plain listening sockets, made before
 anything else is imported, hold the client's connections in their backlog from its first
-retry on; ipykernel's zmq sockets are then bound onto them (ZMQ_USE_FD, through
-SandboxKernelApp._bind_socket) and finish the handshakes at once, the requests sent
+retry on; ipykernel's zmq sockets are then bound onto them (ZMQ_USE_FD; kernel/app.py
+wraps the app's _bind_socket) and finish the handshakes at once, the requests sent
 meanwhile waiting in them.
 
 Only the shell, IOPub, stdin and control ports of a TCP connection file: the heartbeat is
@@ -22,7 +22,7 @@ import socket
 PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port")
 BACKLOG = 16  # a client connects each channel once; a few clients at most
 
-_listening: dict[tuple[str, int], socket.socket] = {}
+_listening: dict[int, tuple[str, socket.socket]] = {}  # by port: the address listened on, the listener
 
 
 def listen(connection_file: str | None) -> None:
@@ -51,16 +51,23 @@ def listen(connection_file: str | None) -> None:
         except OSError:  # taken, or an address such as "*" that only zmq reads
             listener.close()
             continue
-        _listening[(ip, port)] = listener
+        _listening[port] = (ip, listener)
 
 
 def take(ip: str, port: int) -> int | None:
-    """The listening descriptor of ip:port, now the caller's to close; None if there is none."""
-    listener = _listening.pop((ip, port), None)
-    return listener.detach() if listener is not None else None
+    """The listening descriptor of ip:port, now the caller's to close; None if there is none.
+    One on another address of that port (the command line's --ip differs from the file's)
+    is closed, so that the port is free for a bind of zmq's own."""
+    address, listener = _listening.pop(port, ("", None))
+    if listener is None:
+        return None
+    if address != ip:
+        listener.close()
+        return None
+    return listener.detach()
 
 
 def close_unused() -> None:
     """Once ipykernel has bound its sockets: a port it did not take (bound elsewhere) is let go."""
     while _listening:
-        _listening.popitem()[1].close()
+        _listening.popitem()[1][1].close()

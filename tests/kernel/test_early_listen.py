@@ -59,25 +59,34 @@ def _app() -> IPKernelApp:
     return app
 
 
-def _early_client(context: zmq.Context[Any], port: int) -> zmq.Socket[Any]:
-    client = context.socket(zmq.DEALER)
-    client.setsockopt(zmq.RECONNECT_IVL, -1)
-    client.setsockopt(zmq.LINGER, 0)
+def _socket(context: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
+    socket_ = context.socket(kind)
+    socket_.setsockopt(zmq.LINGER, 0)
+    return socket_
+
+
+def _client(context: zmq.Context[Any], port: int, *, reconnects: bool = True) -> zmq.Socket[Any]:
+    """(Kept by the caller: a socket collected is closed, its unsent message dropped.)"""
+    client = _socket(context, zmq.DEALER)
+    if not reconnects:
+        client.setsockopt(zmq.RECONNECT_IVL, -1)
     client.connect(f"tcp://{IP}:{port}")
     return client
+
+
+def _received(router: zmq.Socket[Any], message: bytes) -> bool:
+    return bool(router.poll(30_000)) and router.recv_multipart()[-1] == message
 
 
 def test_a_request_sent_before_ipykernel_binds_reaches_its_socket(tmp_path: Path, context: zmq.Context[Any]) -> None:
     connection_file = _connection_file(tmp_path)
     ports = json.loads(Path(connection_file).read_text())
     early_listen.listen(connection_file_argument(["-f", connection_file]))
-    client = _early_client(context, ports["shell_port"])
+    client = _client(context, ports["shell_port"], reconnects=False)
     client.send(b"kernel_info_request, sent early")
-    shell = context.socket(zmq.ROUTER)
-    shell.setsockopt(zmq.LINGER, 0)
+    shell = _socket(context, zmq.ROUTER)
     assert _app()._bind_socket(shell, ports["shell_port"]) == ports["shell_port"]
-    assert shell.poll(30_000), "the early request never reached the bound socket"
-    assert shell.recv_multipart()[-1] == b"kernel_info_request, sent early"
+    assert _received(shell, b"kernel_info_request, sent early"), "the early request never reached the bound socket"
     # The other ports listen too, and a port ipykernel did not take is let go.
     for name in ("iopub_port", "stdin_port", "control_port"):
         with socket.create_connection((IP, ports[name]), timeout=10):
@@ -94,18 +103,29 @@ def test_ports_that_cannot_be_had_early_are_bound_by_ipykernel_as_before(tmp_pat
     taken = socket.socket()
     taken.bind((IP, 0))
     taken_port = taken.getsockname()[1]
-    connection_file = _connection_file(tmp_path, shell_port=taken_port, iopub_port=0)
-    early_listen.listen(connection_file)
+    early_listen.listen(_connection_file(tmp_path, shell_port=taken_port, iopub_port=0))
     early_listen.listen(str(tmp_path / "no-such-file.json"))
     taken.close()  # free again: ipykernel's own bind takes it
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
+    router = _socket(context, zmq.ROUTER)
     assert _app()._bind_socket(router, taken_port) == taken_port
-    client = context.socket(zmq.DEALER)
-    client.setsockopt(zmq.LINGER, 0)
-    client.connect(f"tcp://{IP}:{taken_port}")
+    client = _client(context, taken_port)
     client.send(b"bound by zmq itself")
-    assert router.poll(30_000) and router.recv_multipart()[-1] == b"bound by zmq itself"
+    assert _received(router, b"bound by zmq itself")
+
+
+def test_an_app_told_another_address_binds_its_own_socket(tmp_path: Path, context: zmq.Context[Any]) -> None:
+    """`--ip` on the command line over the connection file's: the listener on the file's
+    address is closed, not left holding the port against zmq's own bind."""
+    connection_file = _connection_file(tmp_path)
+    port = json.loads(Path(connection_file).read_text())["shell_port"]
+    early_listen.listen(connection_file)
+    app = _app()
+    app.ip = "0.0.0.0"
+    router = _socket(context, zmq.ROUTER)
+    assert app._bind_socket(router, port) == port
+    client = _client(context, port)
+    client.send(b"to zmq's own listener")
+    assert _received(router, b"to zmq's own listener")
 
 
 def test_only_tcp_connection_files_are_listened_on(tmp_path: Path) -> None:
