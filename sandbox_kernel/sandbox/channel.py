@@ -96,6 +96,11 @@ class _RelayKilled(Exception):
     """The relay exited without last words: its daemon may well be alive."""
 
 
+class _StreamEndedByTheService(ProtocolError):
+    """An error frame: the service ended the stream, and may say why when asked (the sandbox
+    went, say); a stream dropped with no word is most often the network's doing."""
+
+
 class ProcessTransport(Protocol):
     """What the channel needs of managed processes (tests script it; see SandboxProcesses)."""
 
@@ -307,14 +312,16 @@ class RunnerChannel:
     async def _read_forever(self) -> None:
         failures = 0
         replacements = 0
-        refused = False  # the last attempt to follow the stream was refused (409)
+        # A refusal of the stream (409) is looked into at once: after another, or after the
+        # service's word that the stream ended (an error frame, as when the sandbox went).
+        ask_why = False
         try:
             while True:
                 progress = self._reading.seq
                 dropped_by: Exception | None = None
                 try:
                     async with self.transport.connect(self.process_id, self._reading.seq) as frames:
-                        refused = False
+                        ask_why = False
                         async for frame in frames:
                             if await self._take(frame):
                                 return
@@ -330,18 +337,20 @@ class RunnerChannel:
                 except RECOVERABLE as exc:
                     log.warning("channel stream dropped after seq %d: %s", self._reading.seq, exc)
                     dropped_by = exc
+                    if isinstance(exc, _StreamEndedByTheService):
+                        ask_why = True
                 except ConflictError:
                     # Not running: paused (its next cell resumes it, and the stream replays
                     # from where it stopped), or ended, which ends the runner (the outer
-                    # handler). Paused is by far the likelier, so an idle channel's first
-                    # refusal is not looked into, a second in a row is: the cut streams of a
-                    # hundred paused notebooks cost the service one request each, not two.
+                    # handler). For an idle channel whose stream was cut, paused is by far
+                    # the likelier, so its first refusal is not looked into: the cut streams
+                    # of a hundred paused notebooks cost the service one request each, not two.
                     self._running_again.clear()
-                    status = await self._sandbox_status() if refused or self._cells or self._replies else None
+                    status = await self._sandbox_status() if ask_why or self._cells or self._replies else None
                     if status is not SandboxStatus.RUNNING:  # (else resumed just now: try again soon)
                         if status is not None and not status.is_pause_like:
                             raise
-                        refused = True
+                        ask_why = True
                         await self._wait_while_paused()
                         continue
                 if self._reading.seq > progress:
@@ -426,7 +435,7 @@ class RunnerChannel:
         if kind == "heartbeat" and frame.egress_denied_count is not None:
             self.egress_refusals = frame.egress_denied_count
         if kind == "error":
-            raise ProtocolError(f"error frame: {frame.error}")
+            raise _StreamEndedByTheService(f"error frame: {frame.error}")
         if kind == "exit":
             await self._lines_of(self._lines.close())
             if not self._last_words:

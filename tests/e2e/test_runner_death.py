@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import queue
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -150,6 +151,21 @@ def test_a_python_that_dies_between_cells_ends_the_kernel_without_a_next_cell(ke
         said = [msg for msg in iopub_left(kc) if msg["msg_type"] == "stream"]
         assert [(msg["content"]["name"], msg["content"]["text"]) for msg in said] == [("stderr", SAID_EXIT_3)]
         assert said[0]["parent_header"]["msg_id"] == armed.reply["parent_header"]["msg_id"]  # the last cell
+
+
+def test_a_sandbox_destroyed_between_cells_is_said_by_the_next_cell_and_the_kernel_lives(kernelspec: str) -> None:
+    """Someone else destroys the notebook's sandbox (`sandbox-kernel rm`, the provider's
+    console) while no cell runs. No Python can start there again, so the kernel does not end
+    to be restarted into it: it lives, and the next cell says in one line that it is gone."""
+    with kernel_that_may_die(kernelspec) as (km, kc):
+        sandbox_id = execute(kc, "import os\nprint(os.environ['SANDBOX_ID'])").text().strip()
+        removed = cli("rm", sandbox_id)
+        assert removed.returncode == 0, removed.stderr
+        failed = execute(kc, "print('never run')")
+        assert failed.reply["content"]["status"] == "error" and failed.text() == ""
+        assert re.search(f"the sandbox {sandbox_id} is (destroying|destroyed): its Python and its files are gone",
+                         failed.reply["content"]["evalue"]), failed.reply["content"]["evalue"]
+        assert km.is_alive()
 
 
 def test_without_a_channel_a_death_between_cells_is_found_by_the_next_cell(

@@ -469,6 +469,22 @@ async def test_an_idle_channel_refused_twice_asks_why_and_ends_with_its_sandbox(
     assert (len(process.connects), process.status_reads) == (2, 1)
 
 
+async def test_a_sandbox_destroyed_between_cells_ends_the_channel_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service ends the stream with its word (an error frame): the refused reconnect is
+    looked into at once, not left for the recheck minutes later; the runner is gone."""
+    monkeypatch.setattr(channel_module, "PAUSED_RECHECK", 3600.0)
+    process, recorder = ScriptedProcess(lambda request: []), Recorder()
+    gone: list[RunnerTransportError] = []
+    channel = RunnerChannel(process, lambda after: ["channel", str(after)], LINE_LIMIT, recorder.between_cells,
+                            on_runner_gone=gone.append)
+    await channel.open()
+    await _until(lambda: bool(process.connects))
+    await process.destroy_sandbox()
+    await _until(lambda: bool(gone))
+    assert gone[0].runner_gone and "destroyed" in str(gone[0])
+    assert (len(process.connects), process.status_reads) == (2, 1)
+
+
 async def test_a_sandbox_found_running_after_its_refusal_is_followed_again() -> None:
     """Refused while resuming, then running when looked at: followed again, not taken for
     the runner's end (which, before, restarted the notebook's Python)."""
