@@ -4,11 +4,12 @@ At start (and after every runner start or sandbox switch) the session's link (ru
 starts one managed process in the sandbox, `guest/runner/client.py channel DIR`: a relay that
 hands its stdin and stdout to the runner daemon, which serves the channel on them (the relay
 stays as `cat` of its connection to the daemon, the service's handle on it). Every request
-(run a cell, interrupt, input answer, complete, inspect, info) is one stdin line, sent with the process `input` call; every event comes back on
-the process's output stream, which the kernel follows with one `connect` for its
-lifetime. Events name their cell (`"cell": id`), or `"cell": null` for output produced
-between cells (a background thread, a subprocess), which the kernel shows on the parent
-of the last cell. Replies to one-shot requests carry the request's `"reply": id`.
+(run a cell, interrupt, input answer, complete, inspect, info) is one stdin line, sent with
+the process `input` call; every event comes back on the process's output stream, which the
+kernel follows with one `connect` for its lifetime. Events name their cell (`"cell": id`),
+or `"cell": null` for output produced between cells (a background thread, a subprocess),
+which the kernel shows on the parent of the last cell. Replies to one-shot requests carry
+the request's `"reply": id`.
 
 Recovery: the output stream is numbered (`seq` per chunk). A dropped `connect` is opened
 again with `after=<last seq>`: the service replays exactly what was missed. The relay
