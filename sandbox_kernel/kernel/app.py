@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 from typing import Any
 
@@ -53,16 +52,12 @@ def _bind_onto_early_listeners(app: IPKernelApp) -> None:
     bind = app._bind_socket
 
     def bind_socket(socket: zmq.Socket[Any], port: int) -> int:
+        # libzmq takes a descriptor given this way as its listener whatever the endpoint's
+        # address says: no bind of its own is tried, so none can fail in its place.
         fd = early_listen.take(app.ip, port) if app.transport == "tcp" else None
-        if fd is None:
-            return bind(socket, port)
-        socket.setsockopt(zmq.USE_FD, fd)
-        try:
-            return bind(socket, port)
-        except zmq.ZMQError:  # the listener would not do: the port is free for a bind of zmq's own
-            socket.setsockopt(zmq.USE_FD, -1)
-            os.close(fd)
-            return bind(socket, port)
+        if fd is not None:
+            socket.setsockopt(zmq.USE_FD, fd)
+        return bind(socket, port)
 
     app._bind_socket = bind_socket  # type: ignore[method-assign]
 
