@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 import random
 import urllib.request
 from contextlib import asynccontextmanager
+from types import ModuleType
 from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Mapping, Sequence, TypeVar
 from urllib.parse import quote, urlsplit
 
@@ -102,10 +104,29 @@ _STREAM_READ_BYTES = 256 * 1024
 def _widen_httpcore_reads() -> None:
     """Done by a client that uses httpx's own transport (CreateOS): httpcore is imported
     then, and only then (a kernel on the local engine never needs it)."""
-    import httpcore
-
+    httpcore = _import_httpcore()
     if getattr(httpcore.AsyncHTTP11Connection, "READ_NUM_BYTES", _STREAM_READ_BYTES) < _STREAM_READ_BYTES:
         httpcore.AsyncHTTP11Connection.READ_NUM_BYTES = _STREAM_READ_BYTES
+
+
+def _import_httpcore() -> ModuleType:
+    """httpcore, with the whole of anyio, which it uses on asyncio, imported with the garbage
+    collector held off. anyio (4.16 on) finds its names by compiling its own source to an
+    AST when first imported, and httpcore's first request imports anyio.abc, in the midst of
+    whatever the program does. CPython before 3.11.8 keeps an AST's construction depth in one
+    interpreter-wide place: an AST built meanwhile, by a finalizer the collector runs (a
+    traceback formatted for a log parses its lines) or by another thread it lets in, makes
+    the compile fail with "SystemError: AST constructor recursion depth mismatch", and the
+    request with it (it failed the bench in CI). The collector is how both get in."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        import anyio.abc  # noqa: F401 (imported for its one-time compile, above)
+        import httpcore
+    finally:
+        if collecting:
+            gc.enable()
+    return httpcore
 
 
 #: longest NDJSON line of an exec or process stream accepted from the service (CreateOS sends small frames; the local
