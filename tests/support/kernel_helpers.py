@@ -24,8 +24,9 @@ PROVIDER = "CreateOS" if VIA_CREATEOS else "the local engine"
 RELAYS = """
 import os, signal, time
 def relays():
-    \"\"\"Pids of the channel's relays alive in this sandbox: once the daemon has its pipes,
-    a relay (runner/client.py channel) is a cat of its connection to the daemon.\"\"\"
+    \"\"\"Pids of the channel's relays alive in this sandbox: a relay (runner/client.py
+    channel) is `python3 -I -S -c CODE channel DIR` until the daemon has its pipes, then a
+    cat of its connection to the daemon (the cell that asks may run in between).\"\"\"
     found = []
     for pid in filter(str.isdigit, os.listdir('/proc')):
         try:
@@ -34,7 +35,9 @@ def relays():
             state = open(f'/proc/{pid}/stat', 'rb').read().rsplit(b')', 1)[1].split()[0]
         except OSError:
             continue
-        if argv[0] == b'cat' and stdin.startswith('socket:') and state != b'Z':
+        handed_over = argv[0] == b'cat' and stdin.startswith('socket:')
+        starting = b'-c' in argv and argv[argv.index(b'-c') + 2:][:1] == [b'channel']
+        if (handed_over or starting) and state != b'Z':
             found.append(int(pid))
     return found
 """
