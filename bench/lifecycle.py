@@ -42,12 +42,23 @@ async def fill(session: SandboxSession, mib: int) -> None:
     await session.run_cell("setup-fill", code, ignore)
 
 
-async def fork_and_attach(session: SandboxSession, client: SandboxClient) -> str:
-    """Fork the paused session's sandbox; return the child once its runner answers."""
+async def fork_and_attach(session: SandboxSession, client: SandboxClient) -> SandboxSession:
+    """Fork the paused session's sandbox; return a session on the child, on a client of its
+    own (`let_go` closes it), once the child's runner answers."""
     child = await session.fork()
     child_session = SandboxSession(session.settings, client=client)
     await child_session.attach(child.id)  # proves the forked runner answers
-    return child.id
+    return child_session
+
+
+async def let_go(child: SandboxSession, client: SandboxClient) -> None:
+    """Close the child's session and destroy its sandbox (with `client`: release closes the
+    child's own). A child left attached would hear its sandbox go, and its channel would
+    outlive the client it reads with."""
+    sandbox_id = child.sandbox_id
+    assert sandbox_id is not None
+    await child.release()
+    await client.delete_sandbox(sandbox_id)
 
 
 async def measure(repeat: int, mib: int, batches: int) -> dict[str, list[float]]:
@@ -68,20 +79,22 @@ async def measure(repeat: int, mib: int, batches: int) -> dict[str, list[float]]
             started = time.perf_counter()
             await session.pause()
             pauses.append(time.perf_counter() - started)
+            child_client = await open_client(settings)
             started = time.perf_counter()
-            child = await fork_and_attach(session, client)
+            child = await fork_and_attach(session, child_client)
             forks.append(time.perf_counter() - started)
-            await client.delete_sandbox(child)
+            await let_go(child, client)
             started = time.perf_counter()
             await session.resume()
             resumes.append(time.perf_counter() - started)
         for _ in range(batches):
             await session.pause()
+            child_clients = [await open_client(settings) for _ in range(FAN_OUT)]
             started = time.perf_counter()
-            children = [await fork_and_attach(session, client) for _ in range(FAN_OUT)]
+            children = [await fork_and_attach(session, child_client) for child_client in child_clients]
             fan_outs.append(time.perf_counter() - started)
             for child in children:
-                await client.delete_sandbox(child)
+                await let_go(child, client)
             await session.resume()
         return {"pause": pauses, "resume": resumes, "fork": forks, FAN_OUT_NAME: fan_outs}
     finally:
