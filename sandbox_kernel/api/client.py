@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import gc
+import importlib
 import json
 import random
 import urllib.request
@@ -111,7 +112,7 @@ def _widen_httpcore_reads() -> None:
 
 def _import_httpcore() -> ModuleType:
     """httpcore, with the whole of anyio, which it uses on asyncio, imported with the garbage
-    collector held off. anyio (4.16 on) finds its names by compiling its own source to an
+    collector held off. anyio (4.15 on) finds its names by compiling its own source to an
     AST when first imported, and httpcore's first request imports anyio.abc, in the midst of
     whatever the program does. CPython before 3.11.8 keeps an AST's construction depth in one
     interpreter-wide place: an AST built meanwhile, by a finalizer the collector runs (a
@@ -121,7 +122,7 @@ def _import_httpcore() -> ModuleType:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        import anyio.abc  # noqa: F401 (imported for its one-time compile, above)
+        importlib.import_module("anyio.abc")  # for its one-time compile, above
         import httpcore
     finally:
         if collecting:
