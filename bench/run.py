@@ -32,7 +32,9 @@ class Plan:
     """Repeat counts: meaningful by default, tiny with --quick."""
 
     round_trip: int = 50
-    streaming: int = 10
+    # The first chunk's p50 came out 1.27 to 1.63 of plain's at one commit with 10: each sample
+    # follows an idle moment, whose wake-ups vary most (docs/performance.md).
+    streaming: int = 30
     throughput: int = 9  # the plain column swings most here (one 20 MiB message): more samples
     flood_mib: int = 20
     rich: int = 5
