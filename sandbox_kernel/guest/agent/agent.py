@@ -16,6 +16,7 @@ Protocol (unix socket, one request per connection): the engine sends one JSON li
     {"op": "egress_listen"}
     {"op": "egress_attach", "stream": N}
     {"op": "process_<create|list|get|kill|wait|input|stdin_close|resize|signal|connect>", ...}
+    {"op": "process_stdin_share", "id": str}
     {"op": "signal_listen"}   (the sandbox's self-signals, see self_signal.py)
 and gets back JSON lines. exec answers with CreateOS exec frames, one per line
 ({"stdout": s} / {"stderr": s} / {"error": s} / {"exit_code": n}); write answers
@@ -34,8 +35,12 @@ reach the host otherwise, nor change the rules, which live in the engine.
 Managed processes (processes.py): create/get/kill/wait answer {"ok": true, <process>},
 list {"ok": true, "processes": [...]}, input {"ok": true, "input_seq": N}, the others
 {"ok": true}; connect answers {"ok": true} then CreateOS connect frames until `exit`.
-Failures are {"ok": false, "code": "not_found" | "invalid" | "conflict" | "no_space" | "failed",
-"error": msg}; a write that fails (a full disk) is answered at once, and the rest is read
+stdin_share answers {"ok": true, "input_seq": N} with the write end of the process's stdin
+attached (SCM_RIGHTS); the engine then writes input through it and sends the process's
+input_seq as it goes on (a line with the number, a little after its writes), and the share
+lasts until the leader exits (the agent hangs up) or the engine hangs up.
+Failures are {"ok": false, "code": "not_found" | "invalid" | "conflict" | "no_space" | "failed"
+| "busy" (a stdin share still held by an engine that is gone), "error": msg}; a write that fails (a full disk) is answered at once, and the rest is read
 and thrown away until the engine, which stops sending on the answer, closes: closing on
 unread bytes would break the engine's next send, and asyncio then drops the unread answer.
 Closing the connection before an exec finishes kills that command's process group,
@@ -68,6 +73,7 @@ LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_agent.p
 
 CHUNK = 64 * 1024
 MAX_HEADER = 1 << 20
+CONNECTION_OPS = ("process_calls", "process_connect", "process_stdin_share")  # each on a connection of its own
 FOLLOW_TIMEOUT = 60.0  # a fork-aware process has this long to fork itself into the new sandbox
 OOM_SCORE_ADJ = b"500"  # of 1000: half the memory limit added to a process's OOM badness
 ATTACH_TIMEOUT = 10.0  # an egress connection the engine does not pick up by then is closed
@@ -304,7 +310,7 @@ class Agent:
                 return
             request = json.loads(line)
             op = request.get("op") if isinstance(request, dict) else None
-            if not isinstance(op, str) or not op.startswith("process_") or op in ("process_calls", "process_connect"):
+            if not isinstance(op, str) or not op.startswith("process_") or op in CONNECTION_OPS:
                 writer.write(failure("invalid", "not an op for this connection: %r" % (op,)))
                 return
             await self.process_op(op, request, reader, writer)
@@ -347,6 +353,9 @@ class Agent:
                 await self.process_connect(table.get(pid), int(request.get("after") or 0),
                                            reader, writer)
                 return
+            elif op == "process_stdin_share":
+                await self.share_stdin(table.get(pid), reader, writer)
+                return
             else:
                 raise ProcessError("invalid", "unknown op %r" % (op,))
         except ProcessError as exc:
@@ -367,6 +376,23 @@ class Agent:
         await asyncio.wait([streaming, hangup], return_when=asyncio.FIRST_COMPLETED)
         for task in (streaming, hangup):
             task.cancel()
+
+    async def share_stdin(self, process, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Give the engine the write end of `process`'s stdin, then take the input_seq it
+        reports, until the engine hangs up or the leader exits (processes.end_stdin_share
+        hangs up). Input written by the agent meanwhile is still serialized with its own;
+        the engine sends none while it holds the share."""
+        async with process.input_lock:  # no write of ours is half done as it is handed over
+            fd = self.processes.shareable_stdin(process)
+            answer = frame({"ok": True, "input_seq": process.input_seq})
+            with socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno())) as raw:
+                socket.send_fds(raw, [answer], [fd])  # nothing is buffered on this connection yet
+            process.stdin_share = writer
+        try:
+            await take_shared_input_seq(process, reader)
+        finally:
+            if process.stdin_share is writer:
+                process.stdin_share = None
 
     async def egress_listen(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Hold the engine's announcement channel open until the engine goes away."""
@@ -406,6 +432,16 @@ class Agent:
             return False
         attached.set_result((reader, writer))
         return True
+
+
+async def take_shared_input_seq(process, reader: asyncio.StreamReader) -> None:
+    """The process's input_seq as the engine writing its stdin reports it (a number per
+    line), until it hangs up or sends what is not a number."""
+    while True:
+        number = (await reader.readline()).strip()
+        if not number.isdigit() or len(number) > 18:
+            return
+        process.input_seq = max(process.input_seq, int(number))
 
 
 async def refuse_upload(answer: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

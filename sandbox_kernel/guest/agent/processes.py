@@ -24,6 +24,10 @@ What a client can rely on:
 - kill: SIGTERM to the tree, SIGKILL after grace_ms (at once without); answered once the
   tree is gone. signal: to the leader's process group (PTY: the terminal's foreground
   job, as a key would), also only in this mount namespace. Input is serialized; `input_seq` counts writes from 1.
+- A pipe process's stdin can be shared with the engine (agent.py, process_stdin_share),
+  which then writes its input itself, one process less on a cell's way in, and reports
+  each write it made so that `input_seq` counts on. The share ends when the leader exits,
+  when the engine hangs up, or when the agent goes.
 - At most MAX_PROCESSES in the table; the oldest exited ones are dropped to make room.
 - Pause freezes these processes with the agent; their windows and streams stay intact.
   A fork starts with an empty table (a fresh agent).
@@ -41,6 +45,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -71,7 +76,8 @@ SIGNALS = {name: getattr(signal, name) for name in (
 
 
 class ProcessError(Exception):
-    """A request the table refuses; `code` is not_found, invalid or conflict."""
+    """A request the table refuses; `code` is not_found, invalid or conflict (busy: a
+    stdin share to ask for again later)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -138,6 +144,8 @@ class ManagedProcess:
         self.master_fd = master_fd
         self.input_seq = 0
         self.input_lock = asyncio.Lock()
+        # The engine's connection while it shares stdin_fd and writes it itself (agent.py).
+        self.stdin_share: asyncio.StreamWriter | None = None
         self._changed = asyncio.get_running_loop().create_future()
 
     # -- events -----------------------------------------------------------------------
@@ -319,6 +327,7 @@ class ProcessTable:
 
     async def _leader_exited(self, process: ManagedProcess, info) -> None:
         process.leader_exited = True
+        end_stdin_share(process)
         process.finished_at = time.time()
         if info is not None and info.si_code == os.CLD_EXITED:
             process.exit_code = info.si_status
@@ -370,6 +379,20 @@ class ProcessTable:
             except OSError as exc:
                 raise ProcessError("conflict", "stdin: %s" % (exc.strerror or exc)) from None
         return seq
+
+    def shareable_stdin(self, process: ManagedProcess) -> int:
+        """The write end of `process`'s stdin, if the engine may share it: a pipe process's
+        whose leader runs, whose stdin is open and not shared already. Called holding the
+        process's input_lock, so that no write of the agent's is under way."""
+        if process.kind != "process":
+            raise ProcessError("invalid", "only a pipe process's stdin can be shared")
+        if process.leader_exited:
+            raise ProcessError("conflict", "process has exited")
+        if process.stdin_fd is None:
+            raise ProcessError("conflict", "stdin is closed")
+        if process.stdin_share is not None:  # with an engine that is gone, until its end is read
+            raise ProcessError("busy", "stdin is shared already")
+        return process.stdin_fd
 
     async def close_stdin(self, process_id) -> None:
         process = self.get(process_id)
@@ -488,6 +511,15 @@ def _output_encoder() -> Callable[[bytes], bytes]:
         for place in added:
             sys.path.remove(place)
     return b64encode
+
+
+def end_stdin_share(process: ManagedProcess) -> None:
+    """Hang up the engine's share of the process's stdin now, not at a later loop turn: input
+    after the leader's exit is refused, and the engine must have heard of the end by the time
+    anyone can have seen the exit."""
+    if process.stdin_share is not None:
+        with contextlib.suppress(OSError):
+            process.stdin_share.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
 
 
 def release_fds(process: ManagedProcess) -> None:
