@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import socket
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -26,12 +28,14 @@ MAX_CONNECT_LINE = 384 * 1024
 # The longest answer line of a managed-process op: a list of 32 processes whose command
 # lines may each take up to 64 KiB (guest/processes.py MAX_COMMAND_LINE).
 MAX_PROCESS_REPLY = 4 << 20
+MAX_SHARE_ANSWER = 4096  # {"ok": true, "input_seq": N}, or a refusal
 # Idle connections kept per sandbox for managed-process calls. A cell's request is one
 # `input` call: on a kept connection it skips the connect, the agent's accept and a task
 # on each side. From the engine's route to the agent's handler took 1.9 ms with a new
 # connection, 0.9 on a kept one (timestamps at each hop, median of 30 cells). A call that
 # blocks (a `wait`, an `input` to a full pipe) holds its connection; the next opens another.
 KEPT_CALL_CONNECTIONS = 2
+SHARE_TIMEOUT = 10.0  # seconds an agent has to answer a stdin share (it runs: the engine checked)
 
 
 class AgentError(Exception):
@@ -208,6 +212,36 @@ class AgentClient:
         else:
             await self._close(writer)
 
+    async def share_stdin(self, process_id: str) -> tuple[int, int, Connection]:
+        """The write end of a pipe process's stdin, shared by the agent so that the engine
+        writes input itself (agent.py, process_stdin_share): the descriptor, the process's
+        input_seq so far, and the share's connection, on which the engine reports the
+        input_seq as it goes on and whose end (either side hangs up) ends the share.
+        AgentError if the agent refuses; a descriptor that is not a pipe's write end (the
+        sandbox may send anything) is refused here."""
+        reader, writer = await self._open(MAX_REPLY_LINE)
+        writer.transport.pause_reading()  # the answer carries the descriptor: received below
+        try:
+            await self._send(writer, encoded({"op": "process_stdin_share", "id": process_id}))
+            answer, fds = await _receive_with_descriptors(writer.get_extra_info("socket").fileno())
+            try:
+                input_seq = _share_answer(answer)
+                fd = _pipe_write_end(fds)
+            except BaseException:
+                for received in fds:
+                    os.close(received)
+                raise
+        except BaseException:
+            await self._close(writer)
+            raise
+        writer.transport.resume_reading()
+        return fd, input_seq, (reader, writer)
+
+    def hang_up(self, writer: asyncio.StreamWriter) -> None:
+        """End a connection of this sandbox's without waiting for it to close."""
+        self.connections.open.discard(writer)
+        writer.close()
+
     @contextlib.asynccontextmanager
     async def process_connect(self, process_id: str, after: int) -> AsyncIterator[AsyncIterator[bytes]]:
         """The process's connect frames, one JSON line each, as the agent sends them; AgentError
@@ -268,6 +302,51 @@ def _answer(line: bytes) -> dict:
     if reply.get("ok") is False:
         raise AgentError(reply.get("code", "failed"), reply.get("error", "agent error"))
     return reply
+
+
+async def _receive_with_descriptors(fd: int) -> tuple[bytes, list[int]]:
+    """One message from the socket `fd` (whose transport has paused reading), with the one
+    descriptor (close-on-exec) that came with it, if one did: more than one is refused."""
+    loop = asyncio.get_running_loop()
+    with socket.socket(fileno=os.dup(fd)) as connection:
+        readable = loop.create_future()
+        loop.add_reader(connection.fileno(), lambda: readable.done() or readable.set_result(None))
+        try:
+            await asyncio.wait_for(readable, SHARE_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise AgentUnavailable("the agent did not answer a stdin share") from None
+        finally:
+            loop.remove_reader(connection.fileno())
+        try:
+            answer, fds, flags, _ = socket.recv_fds(connection, MAX_SHARE_ANSWER, 1, socket.MSG_CMSG_CLOEXEC)
+        except OSError as exc:
+            raise AgentUnavailable(str(exc)) from None
+    if flags & socket.MSG_CTRUNC:  # more descriptors came (the kernel closed the rest)
+        for received in fds:
+            os.close(received)
+        raise AgentError("invalid", "the agent's stdin share came with more than one descriptor")
+    return answer, fds
+
+
+def _share_answer(answer: bytes) -> int:
+    """The input_seq a stdin share's answer gives; AgentError if the agent refused or sent
+    something else."""
+    try:
+        input_seq = _answer(answer).get("input_seq")
+    except (ValueError, AttributeError):
+        input_seq = None
+    if not answer.endswith(b"\n") or type(input_seq) is not int or input_seq < 0:
+        raise AgentError("invalid", "the agent's answer to a stdin share is not one")
+    return input_seq
+
+
+def _pipe_write_end(fds: list[int]) -> int:
+    """The one descriptor received, if it is the write end of a pipe (made non-blocking)."""
+    if len(fds) != 1 or not stat.S_ISFIFO(os.fstat(fds[0]).st_mode) \
+            or fcntl.fcntl(fds[0], fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY:
+        raise AgentError("invalid", "the agent's stdin share is not a pipe's write end")
+    os.set_blocking(fds[0], False)
+    return fds[0]
 
 
 def exec_request(cmd: str, args: list[str], env: dict[str, str], stdin_size: int = 0) -> dict:

@@ -458,6 +458,7 @@ class Engine:
         # A founder's agent outlives it while its forks run (see below): its kept connections
         # would stay open with it. (Those in use end with their calls, as the agent is killed.)
         sandbox.agent_connections.close_idle()
+        sandbox.direct_input.close()
         family = sandbox.family
         if family:
             family.members.discard(sandbox.id)
@@ -605,6 +606,7 @@ class Engine:
                 await sandbox.gate.stop()
             if sandbox.signals:
                 await sandbox.signals.stop()
+            sandbox.direct_input.close()
             sandbox.agent_connections.close_all()
             self._save(sandbox)
         self._work.shutdown(wait=False, cancel_futures=True)  # its threads end with their calls

@@ -17,6 +17,7 @@ from sandbox_kernel.local.access_tokens import AccessToken
 from sandbox_kernel.local.agent_client import AgentClient, AgentConnections
 from sandbox_kernel.local.bwrap import SandboxDirs
 from sandbox_kernel.local.catalog import HOST_PYTHON
+from sandbox_kernel.local.direct_input import DirectInput
 from sandbox_kernel.local.egress_gate import EgressGate
 from sandbox_kernel.local.engine_errors import EngineError
 from sandbox_kernel.local.freezer import Freezer, Handle
@@ -150,6 +151,7 @@ class LocalSandbox:
     last_activity: float = field(default_factory=time.monotonic)
     active_execs: int = 0
     agent_connections: AgentConnections = field(default_factory=AgentConnections)
+    direct_input: DirectInput = field(default_factory=DirectInput)  # stdins it writes itself
     # Held while one of the engine's threads works for this sandbox (Engine._blocking).
     blocking_work: asyncio.Lock = field(default_factory=asyncio.Lock)
 

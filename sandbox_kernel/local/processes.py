@@ -21,7 +21,8 @@ went away. Semantics a client (the kernel) can rely on:
 - Disconnecting never affects the process. Several connects may follow one process.
 - input: bytes to stdin (PTY: keystrokes), serialized, answered `{input_seq}` (1, 2, ...)
   once written to the pipe (it waits while the pipe is full); 409 after the leader
-  exited or stdin was closed.
+  exited or stdin was closed. A pipe process's input is written by the engine itself
+  from its first on (the agent shares the pipe: direct_input.py).
 - kill (`grace_ms`): SIGTERM to the tree (the leader's session), SIGKILL after the grace
   (at once without); answered once the tree is gone. signal: to the leader's process
   group (PTY: to the terminal's foreground job). wait: `scope=leader|tree`, `timeout_ms`
@@ -49,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from sandbox_kernel.local.agent_client import AgentError, AgentUnavailable
 from sandbox_kernel.local.engine import HEARTBEAT_SECONDS, Engine
@@ -84,15 +85,36 @@ def _engine_error(exc: AgentError) -> EngineError:
     return ERRORS.get(exc.code, ProcessFailed)(str(exc), code="process_" + exc.code)
 
 
-async def call(engine: Engine, sandbox_id: str, op: str, body: bytes = b"", **fields: object) -> dict:
-    """Run one managed-process op in the sandbox's agent; its answer without the `ok`."""
-    sandbox = _sandbox(engine, sandbox_id, op)
+@contextlib.contextmanager
+def _refusals_answered() -> Iterator[None]:
+    """The agent's refusals as the engine answers them."""
     try:
-        reply = await sandbox.agent.process_call(op, body, **fields)
+        yield
     except AgentError as exc:
         raise _engine_error(exc) from None
+
+
+async def call(engine: Engine, sandbox_id: str, op: str, **fields: object) -> dict:
+    """Run one managed-process op in the sandbox's agent; its answer without the `ok`."""
+    sandbox = _sandbox(engine, sandbox_id, op)
+    with _refusals_answered():
+        reply = await sandbox.agent.process_call(op, **fields)
     reply.pop("ok", None)
     return reply
+
+
+async def write_input(engine: Engine, sandbox_id: str, process_id: str, data: bytes) -> dict:
+    """Input to a process's stdin: {"input_seq": N}. Written by the engine itself once the
+    agent shares a pipe process's stdin (direct_input.py), else by the agent."""
+    sandbox = _sandbox(engine, sandbox_id, "input")
+    with _refusals_answered():
+        return {"input_seq": await sandbox.direct_input.write(sandbox.agent, process_id, data)}
+
+
+async def close_stdin(engine: Engine, sandbox_id: str, process_id: str) -> None:
+    sandbox = _sandbox(engine, sandbox_id, "stdin_close")
+    with _refusals_answered():
+        await sandbox.direct_input.close_stdin(sandbox.agent, process_id)
 
 
 def _refusals(sandbox: LocalSandbox) -> int:

@@ -230,8 +230,7 @@ async def write_process_input(engine: Engine, sandbox_id: str, process_id: str,
         data = base64.b64decode(body.data_base64, validate=True)
     except ValueError:
         raise EngineError("data_base64 is not valid base64", code="invalid_base64") from None
-    reply = await processes.call(engine, sandbox_id, "input", body=data, id=process_id)
-    return jsend(ProcessInputAck(**reply))
+    return jsend(ProcessInputAck(**await processes.write_input(engine, sandbox_id, process_id, data)))
 
 
 def create_app(engine: Engine, token: str) -> FastAPI:
@@ -439,7 +438,7 @@ def create_app(engine: Engine, token: str) -> FastAPI:
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/stdin/close")
     async def close_process_stdin(sandbox_id: str, process_id: str) -> JSONResponse:
-        await processes.call(engine, sandbox_id, "stdin_close", id=process_id)
+        await processes.close_stdin(engine, sandbox_id, process_id)
         return jsend(ProcessAck())
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/resize")
