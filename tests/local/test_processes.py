@@ -4,8 +4,13 @@ vendor's own Python SDK (`createos-sandbox`, unchanged) against the real local e
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import os
+import signal
 import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from createos import Client
@@ -25,6 +30,7 @@ from createos.models import (
     RunCommandRequest,
 )
 
+from engine_helpers import running_engine, start_engine, stop_process
 from sandbox_kernel.guest.agent.processes import WINDOW_BYTES
 from sandbox_kernel.local.service import EngineEndpoint
 
@@ -101,6 +107,127 @@ def test_pipe_process_input_output_and_replay(sandbox: SandboxInstance) -> None:
     assert finished.state == ManagedProcessState.EXITED and finished.tree_exited and finished.exit_code == 0
     assert finished.finished_at is not None and finished.output.newest_sequence >= 2
     assert started.process_id in [p.process_id for p in procs.list()]
+
+
+def pipes_held_by(pid: int) -> set[str]:
+    """The pipes a host process has open, as /proc names them (pipe:[inode])."""
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if (target := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("pipe:"):
+                held.add(target)
+    return held
+
+
+def stdin_of(marker: str) -> str:
+    """The pipe read as stdin by the sandbox process whose command line holds `marker`."""
+    for entry in os.scandir("/proc"):
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and marker.encode() in Path(entry.path, "cmdline").read_bytes():
+                return os.readlink(f"{entry.path}/fd/0")
+    raise LookupError(f"no process with {marker} in its command line")
+
+
+def stdin_readers(pipe: str) -> list[int]:
+    """The host pids of the processes whose stdin is `pipe`."""
+    readers = []
+    for entry in os.scandir("/proc"):
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and os.readlink(f"{entry.path}/fd/0") == pipe:
+                readers.append(int(entry.name))
+    return readers
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie, whose parent has not waited for it yet, counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def echo_process(marker: str) -> ManagedProcessCreateRequest:
+    return python(f"import sys  # {marker}\nfor line in sys.stdin: print('got', line.strip(), flush=True)")
+
+
+def test_the_engine_writes_a_pipe_process_input_itself(engine: EngineEndpoint, sandbox: SandboxInstance) -> None:
+    """From its first input on, a pipe process's stdin is written by the engine, which holds
+    the pipe (the agent shares it: local/direct_input.py), one process less on a cell's way
+    in. Nothing else changes: input_seq counts on, the order holds, closing stdin reaches the
+    process, input after that is refused."""
+    procs = sandbox.processes
+    marker = "stdin-" + uuid.uuid4().hex
+    started = procs.create(echo_process(marker))
+    held_before = pipes_held_by(engine.pid)
+    assert procs.input(started.process_id, "1\n") == 1
+    stdin = stdin_of(marker)
+    assert stdin not in held_before and stdin in pipes_held_by(engine.pid)
+    for n in range(2, 41):
+        assert procs.input(started.process_id, f"{n}\n") == n
+    procs.close_standard_input(started.process_id)
+    assert stdin not in pipes_held_by(engine.pid)
+    assert procs.wait(started.process_id, ManagedProcessWaitOptions(
+        scope=ManagedProcessWaitScope.TREE, wait_timeout=20)).exit_code == 0  # it read EOF
+    with procs.connect(started.process_id) as stream:
+        assert b"".join(e.data for e in stream) == b"".join(b"got %d\n" % n for n in range(1, 41))
+    with pytest.raises(APIError) as closed:
+        procs.input(started.process_id, "late\n")
+    assert closed.value.status_code == 409
+
+
+def test_input_after_the_leader_exits_is_refused_while_a_child_holds_stdin(
+        engine: EngineEndpoint, sandbox: SandboxInstance) -> None:
+    """The agent ends the engine's share of a stdin as the leader exits: input is refused
+    (409) from then on, as before, though a child still holds the pipe it would go into."""
+    procs = sandbox.processes
+    marker = "stdin-" + uuid.uuid4().hex
+    started = procs.create(python(
+        f"import subprocess, sys  # {marker}\n"
+        "child = subprocess.Popen(['sleep', '300'])  # inherits stdin, and stays\n"
+        "sys.stdin.readline()\n"))
+    stdin = stdin_of(marker)  # the leader waits for its line
+    assert procs.input(started.process_id, "first\n") == 1  # shared: the leader reads it and exits
+    assert stdin in pipes_held_by(engine.pid)
+    assert procs.wait(started.process_id, ManagedProcessWaitOptions(
+        scope=ManagedProcessWaitScope.LEADER, wait_timeout=20)).leader_exited
+    assert stdin_readers(stdin)  # the child: a write to the pipe would still succeed
+    with pytest.raises(APIError) as late:
+        procs.input(started.process_id, "second\n")
+    assert late.value.status_code == 409 and "exited" in str(late.value)
+    assert stdin not in pipes_held_by(engine.pid)
+    assert procs.delete(started.process_id).tree_exited
+
+
+def test_input_seq_counts_on_after_the_engine_that_shared_stdin_stopped(tmp_path: Path) -> None:
+    """The agent takes the input_seq the engine reports for the writes it made through its
+    share: the engine that takes over from a stopped one (its sandboxes run on) numbers input
+    on from there, and writes it itself again. (One killed within REPORT_DELAY of a write
+    leaves the agent's count behind by that write: direct_input.py.)"""
+    marker = "stdin-" + uuid.uuid4().hex
+    with running_engine(tmp_path) as first:
+        with Client(api_key=first.token, base_url=first.url) as vendor:
+            box = vendor.create_sandbox(CreateSandboxRequest(shape="s-1vcpu-512mb"))
+            started = box.processes.create(echo_process(marker))
+            for n in range(1, 4):
+                assert box.processes.input(started.process_id, f"{n}\n") == n
+        os.kill(first.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while not gone(first.pid):
+            assert time.monotonic() < deadline, "the engine did not stop"
+            time.sleep(0.02)
+        process, second = start_engine(tmp_path, {})
+        try:
+            with Client(api_key=second.token, base_url=second.url) as vendor:
+                again = vendor.get_sandbox(box.id)
+                for n in range(4, 7):
+                    assert again.processes.input(started.process_id, f"{n}\n") == n
+                assert stdin_of(marker) in pipes_held_by(second.pid)
+                with again.processes.connect(started.process_id) as stream:
+                    data, _ = read_until(stream, b"got 6\n")
+                assert data == b"".join(b"got %d\n" % n for n in range(1, 7))
+                again.destroy()
+        finally:
+            stop_process(process, 15)
 
 
 def test_env_cwd_and_stderr(sandbox: SandboxInstance) -> None:
