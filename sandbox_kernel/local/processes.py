@@ -3,8 +3,9 @@
 The process table and each process's retained output live in the agent, inside the
 sandbox (guest/processes.py holds the details): they survive an engine restart and the
 memory they take is the sandbox's. This module adds only what must happen outside:
-HTTP status mapping, heartbeats on idle streams and the end of a stream whose sandbox
-went away. Semantics a client (the kernel) can rely on:
+HTTP status mapping, heartbeats on idle streams, the end of a stream whose sandbox went
+away, and input written into a pipe the agent shares (direct_input.py, where the agent
+still keeps the count). Semantics a client (the kernel) can rely on:
 
 - create: pipes, or a PTY with `pty: {rows, cols}` (24x80 by default; without `cmd`, a
   shell). Per-process `env` is added to the sandbox's envs and wins; `cwd` defaults to
