@@ -33,9 +33,11 @@ from sandbox_kernel.local.agent_client import AgentClient, AgentError
 
 # Unread reports (a few bytes each) an agent may leave before its share is given up.
 REPORTS_BACKLOG = 64 * 1024
-REPORT_DELAY = 0.005  # seconds from a write to its report, the moment its reader takes
-# Processes whose input is tracked per sandbox; past it, the untracked ones without a
-# share are forgotten (the agent keeps at most 32 processes).
+# Seconds from a write to its report: the reader (the runner, given a cell) has the CPU
+# to itself meanwhile.
+REPORT_DELAY = 0.005
+# Processes whose input is tracked per sandbox; past it, those without a share and with no
+# input under way are forgotten (the agent keeps at most 32 processes).
 MAX_TRACKED = 64
 PIPE_CHUNK = 64 * 1024  # bytes written at a time
 
