@@ -40,9 +40,10 @@ attached (SCM_RIGHTS); the engine then writes input through it and sends the pro
 input_seq as it goes on (a line with the number, a little after its writes), and the share
 lasts until the leader exits (the agent hangs up) or the engine hangs up.
 Failures are {"ok": false, "code": "not_found" | "invalid" | "conflict" | "no_space" | "failed"
-| "busy" (a stdin share still held by an engine that is gone), "error": msg}; a write that fails (a full disk) is answered at once, and the rest is read
-and thrown away until the engine, which stops sending on the answer, closes: closing on
-unread bytes would break the engine's next send, and asyncio then drops the unread answer.
+| "busy" (a stdin share still held by an engine that is gone), "error": msg}; a write that
+fails (a full disk) is answered at once, and the rest is read and thrown away until the
+engine, which stops sending on the answer, closes: closing on unread bytes would break the
+engine's next send, and asyncio then drops the unread answer.
 Closing the connection before an exec finishes kills that command's process group,
 as CreateOS does when a client abandons an exec.
 """

@@ -26,8 +26,9 @@ What a client can rely on:
   job, as a key would), also only in this mount namespace. Input is serialized; `input_seq` counts writes from 1.
 - A pipe process's stdin can be shared with the engine (agent.py, process_stdin_share),
   which then writes its input itself, one process less on a cell's way in, and reports
-  each write it made so that `input_seq` counts on. The share ends when the leader exits,
-  when the engine hangs up, or when the agent goes.
+  the process's `input_seq` a little after its writes and as the share ends, so that the
+  count goes on here. The share ends when the leader exits, when the engine hangs up, or
+  when the agent goes.
 - At most MAX_PROCESSES in the table; the oldest exited ones are dropped to make room.
 - Pause freezes these processes with the agent; their windows and streams stay intact.
   A fork starts with an empty table (a fresh agent).
