@@ -16,6 +16,7 @@ source-checkout path shows in the sandbox's /proc/self/mountinfo.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import marshal
 import os
@@ -56,8 +57,35 @@ def launch_command(bwrap: str, args_fd: int, listen_fd: int) -> list[str]:
     processes inside only this short command line, not host paths. The agent serves the
     socket inherited as listen_fd, bound by the engine in the sandbox's host agent dir (a
     fork's agent gets one bound there too); AGENT_DIR inside stays empty and read-only."""
-    return [bwrap, "--args", str(args_fd),
-            sys.executable, "-I", "-S", AGENT_SCRIPT, AGENT_SOCKET, WORKSPACE, str(listen_fd)]
+    return [bwrap, "--args", str(args_fd), sys.executable, "-I", "-S", *agent_optimization(),
+            AGENT_SCRIPT, AGENT_SOCKET, WORKSPACE, str(listen_fd)]
+
+
+# Standard-library modules the agent imports (with asyncio: the largest part of its memory).
+AGENT_STDLIB = ("asyncio.base_events", "inspect", "json.decoder", "subprocess", "typing")
+
+
+@functools.lru_cache(maxsize=1)
+def agent_optimization() -> tuple[str, ...]:
+    """("-OO",) where the sandbox's Python (the engine's own) has its standard library
+    compiled at that level, else (). At -OO the agent's modules come without docstrings:
+    0.5 MiB less in every sandbox's agent, which has no use for them (nor for asserts). A
+    Python installed by CPython's own installer has that bytecode; one packaged by a
+    distribution often has only the plain level, and the agent would then compile the
+    modules again at every start (its stdlib is read-only there), so it runs without."""
+    for name in AGENT_STDLIB:
+        source = importlib.import_module(name).__file__ or ""
+        if not os.path.exists(cached_bytecode_path(source, optimized=True)):
+            return ()
+    return ("-OO",)
+
+
+def cached_bytecode_path(source: str, optimized: bool) -> str:
+    """Where the sandbox's Python looks for a module's bytecode: beside it, in __pycache__
+    (the sandbox's Python ignores PYTHONPYCACHEPREFIX: it runs isolated, -I)."""
+    directory, module = posixpath.split(source)
+    level = ".opt-2" if optimized else ""
+    return f"{directory}/__pycache__/{module.removesuffix('.py')}.{sys.implementation.cache_tag}{level}.pyc"
 
 
 def find_bwrap() -> str:
@@ -219,15 +247,15 @@ def proxy_env() -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=32)
-def bytecode(path: str, source: bytes) -> bytes:
-    """The agent module's compiled form, as the sandbox's Python (the engine's own) would
-    cache it next to the source: in the sandbox that directory is read-only, so every
-    agent start compiled its modules again (agent.py, processes.py, self_signal.py, and
-    nsfork.py in a fork's child: 50 ms on a busy 2-core host; run_agent.py, the script, is
-    compiled anyway, and is short for that reason). A checked-hash pyc (PEP 552): the
-    interpreter uses it only if the source's hash matches, so it can never stand for
-    other code than the source bound beside it. Made once per engine."""
-    code = compile(source, path, "exec", dont_inherit=True, optimize=0)
+def bytecode(path: str, source: bytes, optimized: bool) -> bytes:
+    """The agent module's compiled form (at -OO if `optimized`), as the sandbox's Python (the
+    engine's own) would cache it next to the source: in the sandbox that directory is
+    read-only, so every agent start compiled its modules again (agent.py, processes.py,
+    self_signal.py, and nsfork.py in a fork's child: 50 ms on a busy 2-core host;
+    run_agent.py, the script, is compiled anyway, and is short for that reason). A
+    checked-hash pyc (PEP 552): the interpreter uses it only if the source's hash matches,
+    so it can never stand for other code than the source bound beside it. Made once per engine."""
+    code = compile(source, path, "exec", dont_inherit=True, optimize=2 if optimized else 0)
     flags = 0b11  # hash-based, checked
     return (importlib.util.MAGIC_NUMBER + flags.to_bytes(4, "little")
             + importlib.util.source_hash(source) + marshal.dumps(code))
@@ -280,12 +308,12 @@ def bwrap_arguments(sandbox_id: str, dirs: SandboxDirs, agent_files: dict[str, s
         for directory in package_dirs():
             cmd += ["--tmpfs", directory, "--remount-ro", directory]
     cmd += ["--tmpfs", AGENT_MOUNT]
+    optimized = bool(agent_optimization())
     for relative, program in sorted(agent_files.items()):  # bwrap makes the directories they are in
         source, path = Path(program).read_bytes(), f"{AGENT_MOUNT}/{relative}"
-        directory, module = posixpath.split(path)
-        cached = f"{directory}/__pycache__/{module.removesuffix('.py')}.{sys.implementation.cache_tag}.pyc"
         cmd += ["--ro-bind-data", handover.data(source), path,
-                "--ro-bind-data", handover.data(bytecode(path, source)), cached]
+                "--ro-bind-data", handover.data(bytecode(path, source, optimized)),
+                cached_bytecode_path(path, optimized)]
     cmd += ["--remount-ro", AGENT_MOUNT,
             "--chdir", WORKSPACE, "--clearenv", "--seccomp", str(seccomp_fd)]
     env = sandbox_env(sandbox_id, python_bin)

@@ -294,7 +294,10 @@ class Agent:
                            os.path.dirname(self.socket_path), self.workdir)
             os.set_inheritable(listener, True)
             os.environ.update(request.get("env") or {})
-            os.execv(sys.executable, [sys.executable, "-I", "-S", LAUNCHER,
+            # With this agent's optimization level (-OO where the engine chose it): the
+            # bytecode bound beside the agent's modules is of that level.
+            optimization = ["-" + "O" * sys.flags.optimize] if sys.flags.optimize else []
+            os.execv(sys.executable, [sys.executable, "-I", "-S", *optimization, LAUNCHER,
                                       self.socket_path, self.workdir, str(listener)])
         except BaseException as exc:  # report, never fall back into the parent's event loop
             os.write(ready, ("%s: %s" % (type(exc).__name__, exc)).encode()[:4000])
