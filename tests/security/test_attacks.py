@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import socket
 import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from attack_helpers import ONCE, attempt
 from kernel_helpers import running_kernel
 from sandbox_kernel.guest import bundle as guest_bundle
 from sandbox_kernel.api.local_engine import HOST_ALIAS
+from sandbox_kernel.local import bwrap
 from sandbox_kernel.local.service import EngineEndpoint
 
 pytestmark = [pytest.mark.slow, ONCE]
@@ -96,7 +96,7 @@ def test_writes_outside_the_workspace_never_reach_the_host(kc, tmp_path: Path) -
     # The agent's code: its start script, its modules and the bytecode the engine binds beside them.
     agent_dir = f"/opt/sandbox-kernel/{guest_bundle.PACKAGE}/agent"
     agent_code = [f"{agent_dir}/agent.py", f"{agent_dir}/run_agent.py",
-                  f"{agent_dir}/__pycache__/agent.{sys.implementation.cache_tag}.pyc",
+                  bwrap.cached_bytecode_path(f"{agent_dir}/agent.py", optimized=bool(bwrap.agent_optimization())),
                   f"{agent_dir}/__pycache__/intruder.pyc"]
     protected = ["/usr/sandbox-was-here", "/etc/passwd", *agent_code, "/run/sandbox-agent/intruder"]
     found = attempt(kc, f"""
