@@ -58,8 +58,8 @@ for pid in filter(str.isdigit, os.listdir('/proc')):
 
 
 def agent_command_lines(sandbox: SandboxInstance) -> list[list[str]]:
-    """The command lines of the sandbox's agent processes (its own, and what it forked to
-    serve), as seen in the sandbox."""
+    """The command lines of the agents the sandbox sees: its own, and a fork's or its
+    source's (they share a pid namespace on the local engine)."""
     result = sandbox.run_command(RunCommandRequest(
         command=sys.executable, arguments=["-I", "-S", "-c", AGENT_COMMAND_LINE])).result
     lines = [line.split() for line in result.standard_output.splitlines()]
