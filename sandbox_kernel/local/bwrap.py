@@ -82,10 +82,10 @@ def agent_optimization() -> tuple[str, ...]:
 
 def cached_bytecode_path(source: str, optimized: bool) -> str:
     """Where the sandbox's Python looks for a module's bytecode: beside it, in __pycache__
-    (the sandbox's Python ignores PYTHONPYCACHEPREFIX: it runs isolated, -I)."""
-    directory, module = posixpath.split(source)
-    level = ".opt-2" if optimized else ""
-    return f"{directory}/__pycache__/{module.removesuffix('.py')}.{sys.implementation.cache_tag}{level}.pyc"
+    (the sandbox's Python ignores PYTHONPYCACHEPREFIX: it runs isolated, -I), by the
+    interpreter's own naming (only the file name is taken: the engine's may have a prefix)."""
+    name = posixpath.basename(importlib.util.cache_from_source(source, optimization=2 if optimized else ""))
+    return posixpath.join(posixpath.dirname(source), "__pycache__", name)
 
 
 def find_bwrap() -> str:
