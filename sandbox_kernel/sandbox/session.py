@@ -656,20 +656,23 @@ class SandboxSession:
                        silent: bool = False, store_history: bool = True,
                        execution_count: int | None = None,
                        on_resume: Callable[[], Progress] | None = None,
-                       fields: dict[str, Any] | None = None) -> dict[str, Any]:
+                       fields: dict[str, Any] | None = None, wake: bool = True) -> dict[str, Any]:
         """Run one cell, calling on_event for every event in order; return its done event.
 
         fields: more of the execute_request for the runner (allow_stdin, user_expressions).
 
         A sandbox that is not running (CreateOS answers 409 to an exec on it) is woken
         first: paused, resumed; pausing, resuming or being forked, waited for (_wake).
-        on_resume() is called then, and gives the progress callback for the wait.
+        on_resume() is called then, and gives the progress callback for the wait. With
+        wake False, the 409 is raised instead (ConflictError).
         """
         kwargs = dict(silent=silent, store_history=store_history, execution_count=execution_count,
                       fields=fields or {})
         try:
             return await self._run_cell(cell_id, code, on_event, **kwargs)
         except ConflictError:
+            if not wake:
+                raise
             view = await self.view()
             if not _can_run_cells(view.status):
                 raise _cannot_run_cells(view) from None
