@@ -62,7 +62,7 @@ class CellExecutor:
         except WaitInterrupted:
             return self.fail("KeyboardInterrupt", "interrupted: the sandbox is still starting; "
                              "run a cell when you want it")
-        if EXIT_CELL.fullmatch(code) and await self._best_effort(self.is_paused(session)):
+        if self.exit_cell(code) and await self._best_effort(self.is_paused(session)):
             return self.ok([{"source": "ask_exit", "keepkernel": False}])
         magics: SandboxMagics | None = None  # made for a cell's first magic line
         payload: list[dict[str, Any]] = []
@@ -117,6 +117,10 @@ class CellExecutor:
         return self.ok(payload, expressions)
 
     @staticmethod
+    def exit_cell(code: str) -> bool:
+        return EXIT_CELL.fullmatch(code) is not None
+
+    @staticmethod
     async def is_paused(session: SandboxSession) -> bool:
         """Whether `exit` can end the frontend's session without running: waking a paused
         sandbox (or one on its way, SandboxStatus.is_pause_like: seconds, and its running price)
@@ -126,14 +130,17 @@ class CellExecutor:
     async def _run_code(self, session: SandboxSession, code: str, silent: bool,
                         store_history: bool, out: CellOutput, fields: dict[str, Any]) -> dict[str, Any]:
         kernel = self.kernel
-        cell_id = uuid.uuid4().hex
+        early = kernel.early_cells.take(kernel.parent_msg_id(), code)
+        cell_id = early.cell_id if early else uuid.uuid4().hex
         translate = kernel.events.last_cell = EventTranslator(kernel, session, cell_id)
         try:
-            done = await session.run_cell(
-                cell_id, code, translate.handle, silent=silent, store_history=store_history,
-                execution_count=kernel.cell_count() if not silent else None,
-                on_resume=lambda: out.progress(f"Sandbox {session.sandbox_id} was paused: resuming…"),
-                fields=fields)
+            done = await early.result(translate.handle) if early else None
+            if done is None:  # (an early cell the sandbox refused was not run)
+                done = await session.run_cell(
+                    cell_id, code, translate.handle, silent=silent, store_history=store_history,
+                    execution_count=kernel.cell_count() if not silent else None,
+                    on_resume=lambda: out.progress(f"Sandbox {session.sandbox_id} was paused: resuming…"),
+                    fields=fields)
         except RunnerDied as exc:
             await kernel.shutdown.die_with_the_runner(str(exc))
         except SessionError as exc:

@@ -42,6 +42,7 @@ from sandbox_kernel.guest import protocol
 from sandbox_kernel.kernel.boot import Boot
 from sandbox_kernel.kernel.comms import DISPATCHED_CONCURRENTLY, CommRelay
 from sandbox_kernel.kernel.debug import DebugRelay
+from sandbox_kernel.kernel.early_cell import EarlyCells
 from sandbox_kernel.kernel.events import EventRouting
 from sandbox_kernel.kernel.execute import CellExecutor
 from sandbox_kernel.kernel.handoff import RestartHandoff
@@ -146,6 +147,8 @@ class SandboxKernel(Kernel):
         self.usage = UsageReporter(self)
         self.shutdown = Shutdown(self)
         self.cells_executing = 0  # execute_requests being handled (comms.py announces by it)
+        self.early_cells = EarlyCells(self)
+        self.main_shell_messages = 0  # being handled or waiting their turn (shell_main)
         # The (sub)shells whose failed cell had its queue aborted before the reply (see _abort_queues).
         self.queues_aborted_early: set[str | None] = set()
         # The count each execute_input showed, by request, until its do_execute takes it.
@@ -230,6 +233,20 @@ class SandboxKernel(Kernel):
                 and self.sandbox.runner_info.get(feature) is True)
 
     # -- shell messages ---------------------------------------------------------------------
+
+    async def shell_main(self, subshell_id, msg):  # type: ignore[no-untyped-def]
+        """A shell message as it arrives: with no other main-shell message being handled or
+        waiting, a cell that would run at once is sent to the sandbox now (early_cell.py)."""
+        if subshell_id is not None:
+            return await super().shell_main(subshell_id, msg)
+        sent = None if self.main_shell_messages else self.early_cells.send(msg)
+        self.main_shell_messages += 1
+        try:
+            await super().shell_main(subshell_id, msg)
+        finally:
+            self.main_shell_messages -= 1
+            if sent is not None:
+                self.early_cells.forget(sent)
 
     async def dispatch_shell(self, msg, /, subshell_id=None, *, concurrent=False):  # type: ignore[no-untyped-def]
         """Each message is handled in a context of its own. ipykernel runs all of a shell's

@@ -33,6 +33,11 @@ class Subshells:
         channel carries several cells at once (the exec-per-cell fallback does not)."""
         return self.kernel._supports_kernel_subshells and self.kernel.runner_offers("subshells")
 
+    def exist(self) -> bool:
+        """A subshell was made (its cells take execution counts, on a thread of its own)."""
+        thread = self.kernel.shell_channel_thread
+        return thread is not None and bool(thread.manager.list_subshell())
+
     @contextlib.contextmanager
     def tracked(self, parent: dict[str, Any]) -> Iterator[None]:
         """A subshell's execute_request, tracked until answered (see delete_request)."""

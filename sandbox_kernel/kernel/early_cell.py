@@ -1,0 +1,144 @@
+"""A cell sent to the sandbox as its execute_request arrives, ahead of ipykernel's dispatch.
+
+ipykernel's dispatch of an execute_request (its busy status, execute_input, metadata) takes
+the kernel's main thread 0.3-0.5 ms before do_execute. Plain ipykernel's cell starts after it;
+here the sandbox's part of the way in (the engine's and the runner's wake-ups) came after it
+too. Sent as the request arrives, that part overlaps the dispatch instead.
+
+Only a cell whose dispatch would do nothing else first is sent early: the main shell's, with
+no other shell message being handled or waiting, a sandbox up, nothing aborting, and code
+alone (no magic line, no user_expressions, not silent: cells.execute's first act is then
+this very run). Its events are held until do_execute takes the cell over (EarlyCells.take),
+after execute_input: the frontend sees what it would have seen, in the same order. A sandbox
+that refuses the cell (paused) is woken by do_execute's own run, as for any cell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from sandbox_kernel.api import ConflictError
+from sandbox_kernel.kernel.magics.parsing import split_cell
+from sandbox_kernel.sandbox.channel import EventHandler
+
+if TYPE_CHECKING:
+    from sandbox_kernel.kernel.handlers import SandboxKernel
+
+log = logging.getLogger("sandbox_kernel.kernel.early_cell")
+
+
+class EarlyCell:
+    """One cell on its way to the sandbox before its do_execute: its run, and its events held."""
+
+    def __init__(self, msg_id: str, code: str, execution_count: int, store_history: bool,
+                 allow_stdin: bool) -> None:
+        self.msg_id = msg_id
+        self.code = code
+        self.execution_count = execution_count
+        self.store_history = store_history
+        self.allow_stdin = allow_stdin
+        self.cell_id = uuid.uuid4().hex
+        self.run: asyncio.Task[dict[str, Any]] | None = None
+        self._held: list[dict[str, Any]] | None = []  # None once taken over (or dropped)
+        self._handler: EventHandler | None = None
+
+    async def on_event(self, event: dict[str, Any]) -> None:
+        if self._held is not None:
+            self._held.append(event)
+        elif self._handler is not None:
+            await self._handler(event)
+
+    async def result(self, handler: EventHandler) -> dict[str, Any] | None:
+        """The cell's done event, its events now going to handler (those held first, in order);
+        None if the sandbox refused the cell (not running): it was not run."""
+        assert self.run is not None and self._held is not None
+        held = self._held
+        while held:  # events that come while the held ones are handled join the queue
+            await handler(held.pop(0))
+        self._held, self._handler = None, handler
+        try:
+            return await self.run
+        except ConflictError as exc:
+            log.debug("request %s: the sandbox refused its cell sent ahead (%s); the cell's own run wakes it",
+                      self.msg_id, exc)
+            return None
+
+    def drop(self) -> None:
+        """Not taken over (its dispatch ended another way: the kernel stopping): its events go."""
+        self._held = None
+        if self.run is not None and not self.run.cancel() and not self.run.cancelled():
+            self.run.exception()  # it had ended: its outcome is read (asyncio reports one never read)
+
+
+class EarlyCells:
+    """The one cell sent early, until its do_execute takes it over."""
+
+    def __init__(self, kernel: SandboxKernel) -> None:
+        self.kernel = kernel
+        self.pending: EarlyCell | None = None
+
+    def send(self, frames: list[Any]) -> EarlyCell | None:
+        """At a shell message's arrival, with no other shell message being handled: if it is
+        an execute_request whose first act would be running its code, start that run now."""
+        session = self.kernel.sandbox
+        early = self._cell_to_send(frames) if self.pending is None else None
+        if early is None or session is None:
+            return None
+        # The same request as cells.execute's (fields as it makes them for such a cell).
+        fields = {"allow_stdin": early.allow_stdin, "parent_msg_id": early.msg_id}
+        early.run = asyncio.get_running_loop().create_task(session.run_cell(
+            early.cell_id, early.code, early.on_event, silent=False, store_history=early.store_history,
+            execution_count=early.execution_count, fields=fields, wake=False))
+        self.pending = early
+        log.debug("request %s: its cell was sent ahead of its dispatch", early.msg_id)
+        return early
+
+    def take(self, msg_id: str, code: str) -> EarlyCell | None:
+        """The cell sent early for request msg_id, if that is it (and code its code)."""
+        early = self.pending
+        if early is None or early.msg_id != msg_id or early.code != code:
+            return None
+        self.pending = None
+        if early.execution_count != self.kernel.cell_count():
+            log.warning("cell %s was sent as In[%d] but announced as In[%d]", early.cell_id,
+                        early.execution_count, self.kernel.cell_count())
+        return early
+
+    def forget(self, early: EarlyCell) -> None:
+        """After its request's dispatch: if it was not taken over, it is dropped."""
+        if self.pending is early:
+            self.pending = None
+            log.warning("cell %s was sent early, but its request ended before it ran", early.cell_id)
+            early.drop()
+
+    def _cell_to_send(self, frames: list[Any]) -> EarlyCell | None:
+        kernel = self.kernel
+        session = kernel.sandbox
+        if (kernel.shutdown.stopping or not kernel.boot.ready() or session is None or kernel._aborting
+                or kernel.subshells.exist()):
+            return None
+        try:
+            _, message = kernel.session.feed_identities(frames, copy=False)
+            # Checks the signature without recording it: dispatch_shell's own deserialize does.
+            msg = kernel.session.deserialize(message, content=False, copy=False)
+            header = msg["header"]
+            if header.get("msg_type") != "execute_request" or header.get("subshell_id") is not None:
+                return None
+            content = kernel.session.unpack(msg["content"])
+        except Exception:  # dispatch_shell says what is wrong with the message
+            return None
+        code, store_history, allow_stdin = (content.get("code"), content.get("store_history", True),
+                                            content.get("allow_stdin", False))
+        if (not isinstance(code, str) or content.get("silent", False) is not False or content.get("user_expressions")
+                or not isinstance(store_history, bool) or not isinstance(allow_stdin, bool)):
+            return None
+        segments = split_cell(code)
+        if (len(segments) != 1 or segments[0].magic or kernel.cells.exit_cell(code)
+                or not kernel.cells.refusals.counted(session.sandbox_id)):
+            return None
+        # execute_request counts the cell (not silent) before its do_execute.
+        return EarlyCell(str(header.get("msg_id", "")), segments[0].text, kernel.execution_count + 1,
+                         store_history, allow_stdin)
