@@ -8,6 +8,7 @@
 # change can be checked in minutes. The second command runs every other end-to-end test.
 QUICK = frozenset({
     "tests/e2e/test_kernel_messages.py::test_state_persists_and_execute_result_counts",
+    "tests/e2e/test_early_cell.py::test_a_cell_sent_ahead_runs_once_on_its_count_after_its_execute_input",
     "tests/e2e/test_kernel_messages.py::test_interrupt_stops_a_busy_loop",
     "tests/e2e/test_kernel_messages.py::test_input_and_getpass_use_the_stdin_channel",
     "tests/e2e/test_kernel_messages.py::test_matplotlib_figure_is_an_inline_png",
