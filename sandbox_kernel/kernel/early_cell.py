@@ -1,21 +1,34 @@
 """A cell sent to the sandbox as its execute_request arrives, ahead of ipykernel's dispatch.
 
-ipykernel's dispatch of an execute_request (its busy status, execute_input, metadata) takes
-the kernel's main thread 0.3-0.5 ms before do_execute. Plain ipykernel's cell starts after it;
-here the sandbox's part of the way in (the engine's and the runner's wake-ups) came after it
-too. Sent as the request arrives, that part overlaps the dispatch instead.
+Plain ipykernel starts a cell once its dispatch (deserializing the request, the busy status,
+execute_input, do_execute) is done. Here the cell's way into the sandbox (its request to the
+engine, the engine's and the runner's wake-ups) came after that dispatch too. Sent as the
+request arrives, that way overlaps the dispatch instead (docs/performance.md has the numbers).
 
-Only a cell whose dispatch would do nothing else first is sent early: the main shell's, with
-no other shell message being handled or waiting, a sandbox up, nothing aborting, and code
-alone (no magic line, no user_expressions, not silent: cells.execute's first act is then
-this very run). Its events are held until do_execute takes the cell over (EarlyCells.take),
-after execute_input: the frontend sees what it would have seen, in the same order. A sandbox
-that refuses the cell (paused) is woken by do_execute's own run, as for any cell.
+A cell goes ahead only where going ahead changes nothing else:
+- it is the main shell's, and no subshell exists (a subshell's cell, on a thread of its own,
+  could take the next execution count between this one's prediction and its dispatch);
+- no other main-shell message is being handled or waiting (SandboxKernel.shell_main counts
+  them), so it is the next thing this shell says to the sandbox, as it would have been;
+- the sandbox is up, nothing is aborting (ipykernel would abort the request), the kernel is
+  not stopping;
+- it is code alone: no magic line, no user_expressions, not silent, not `exit`, and the
+  sandbox's egress refusals already counted. cells.execute's first act is then this very run,
+  with the same request.
+
+Its events are held until do_execute takes the cell over (EarlyCells.take), after
+execute_input: the frontend sees what it would have seen, in the same order. Events come only
+when the kernel's loop turns, and between the request's arrival and its do_execute the loop
+turns once or twice, waiting for nothing outside: what is held is what the channel's reader
+took in those turns. A sandbox that refuses the cell (paused) has not run it: do_execute's own
+run wakes the sandbox and runs it, as for any cell. A cell that went ahead has started, so a
+shutdown that begins meanwhile does not turn it away (cells.execute).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -42,7 +55,7 @@ class EarlyCell:
         self.allow_stdin = allow_stdin
         self.cell_id = uuid.uuid4().hex
         self.run: asyncio.Task[dict[str, Any]] | None = None
-        self._held: list[dict[str, Any]] | None = []  # None once taken over (or dropped)
+        self._held: collections.deque[dict[str, Any]] | None = collections.deque()  # None once taken over or dropped
         self._handler: EventHandler | None = None
 
     async def on_event(self, event: dict[str, Any]) -> None:
@@ -57,7 +70,7 @@ class EarlyCell:
         assert self.run is not None and self._held is not None
         held = self._held
         while held:  # events that come while the held ones are handled join the queue
-            await handler(held.pop(0))
+            await handler(held.popleft())
         self._held, self._handler = None, handler
         try:
             return await self.run
@@ -67,7 +80,8 @@ class EarlyCell:
             return None
 
     def drop(self) -> None:
-        """Not taken over (its dispatch ended another way: the kernel stopping): its events go."""
+        """Not taken over: its request's dispatch ended before its do_execute took it (an error
+        on the way). Its events go."""
         self._held = None
         if self.run is not None and not self.run.cancel() and not self.run.cancelled():
             self.run.exception()  # it had ended: its outcome is read (asyncio reports one never read)
@@ -96,6 +110,9 @@ class EarlyCells:
         log.debug("request %s: its cell was sent ahead of its dispatch", early.msg_id)
         return early
 
+    def went_ahead(self, msg_id: str) -> bool:
+        return self.pending is not None and self.pending.msg_id == msg_id
+
     def take(self, msg_id: str, code: str) -> EarlyCell | None:
         """The cell sent early for request msg_id, if that is it (and code its code)."""
         early = self.pending
@@ -111,7 +128,8 @@ class EarlyCells:
         """After its request's dispatch: if it was not taken over, it is dropped."""
         if self.pending is early:
             self.pending = None
-            log.warning("cell %s was sent early, but its request ended before it ran", early.cell_id)
+            log.warning("request %s ended without taking over its cell sent ahead (%s): its output is not shown",
+                        early.msg_id, early.cell_id)
             early.drop()
 
     def _cell_to_send(self, frames: list[Any]) -> EarlyCell | None:

@@ -44,7 +44,8 @@ class CellExecutor:
         kernel = self.kernel
         if not code.strip() and not user_expressions:
             return self.ok()
-        if kernel.shutdown.stopping:
+        # A cell that went ahead (early_cell.py) had started before the kernel began to stop.
+        if kernel.shutdown.stopping and not kernel.early_cells.went_ahead(kernel.parent_msg_id()):
             return self.fail("KernelStopping", kernel.shutdown.stopping_line())
         if store_history and not silent:
             # At the loop's next turn, which comes once the cell's request is written (SQLite's
