@@ -241,14 +241,18 @@ class RunnerChannel:
 
     # -- requests ---------------------------------------------------------------------------
 
-    async def run_cell(self, cell_id: str, request: dict[str, Any], on_event: EventHandler) -> dict[str, Any]:
-        """Send a run request and deliver the cell's events in order; return its done event."""
+    async def run_cell(self, cell_id: str, request: dict[str, Any], on_event: EventHandler,
+                       on_sent: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Send a run request and deliver the cell's events in order; return its done event.
+        on_sent() once the service took the request (the relay's stdin has it)."""
         self._check()
         request = {**request, protocol.OP: protocol.RUN, protocol.CELL_ID: cell_id}
         follow = _CellFollow(cell_id, request, on_event, asyncio.get_running_loop().create_future())
         self._cells[cell_id] = follow
         try:
             await self.send(request)
+            if on_sent is not None:
+                on_sent()
             return await follow.done
         finally:
             self._cells.pop(cell_id, None)

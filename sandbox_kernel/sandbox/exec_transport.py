@@ -84,8 +84,11 @@ class ExecTransport:
         self.line_limit = line_limit
         self.streaming = streaming
 
-    async def run_cell(self, cell_id: str, request: dict[str, Any], on_event: EventHandler) -> dict[str, Any]:
-        """Run one cell, delivering its events in order; return its done event.
+    async def run_cell(self, cell_id: str, request: dict[str, Any], on_event: EventHandler,
+                       on_sent: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Run one cell, delivering its events in order; return its done event. An exec carries
+        the request and the events together, so nothing says earlier that the runner has the
+        cell: on_sent is not called.
 
         RunnerTransportError: the runner died (runner_gone), or the cell could not be followed.
         """

@@ -213,8 +213,9 @@ class RunnerLink:
             raise channel.failure
         await self.connect(channel.background_seq)  # only the connection was lost
 
-    async def run_cell(self, cell_id: str, request: dict[str, Any], on_event: EventHandler) -> dict[str, Any]:
-        return await self._transport().run_cell(cell_id, request, on_event)
+    async def run_cell(self, cell_id: str, request: dict[str, Any], on_event: EventHandler,
+                       on_sent: Callable[[], None] | None = None) -> dict[str, Any]:
+        return await self._transport().run_cell(cell_id, request, on_event, on_sent)
 
     async def request(self, message: dict[str, Any]) -> dict[str, Any]:
         return await self._transport().request(message)

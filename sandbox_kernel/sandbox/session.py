@@ -656,7 +656,8 @@ class SandboxSession:
                        silent: bool = False, store_history: bool = True,
                        execution_count: int | None = None,
                        on_resume: Callable[[], Progress] | None = None,
-                       fields: dict[str, Any] | None = None, wake: bool = True) -> dict[str, Any]:
+                       fields: dict[str, Any] | None = None, wake: bool = True,
+                       on_sent: Callable[[], None] | None = None) -> dict[str, Any]:
         """Run one cell, calling on_event for every event in order; return its done event.
 
         fields: more of the execute_request for the runner (allow_stdin, user_expressions).
@@ -664,10 +665,10 @@ class SandboxSession:
         A sandbox that is not running (CreateOS answers 409 to an exec on it) is woken
         first: paused, resumed; pausing, resuming or being forked, waited for (_wake).
         on_resume() is called then, and gives the progress callback for the wait. With
-        wake False, the 409 is raised instead (ConflictError).
+        wake False, the 409 is raised instead (ConflictError). on_sent(): as RunnerTransport.run_cell's.
         """
         kwargs = dict(silent=silent, store_history=store_history, execution_count=execution_count,
-                      fields=fields or {})
+                      fields=fields or {}, on_sent=on_sent)
         try:
             return await self._run_cell(cell_id, code, on_event, **kwargs)
         except ConflictError:
@@ -686,7 +687,7 @@ class SandboxSession:
 
     async def _run_cell(self, cell_id: str, code: str, on_event: EventHandler, *, silent: bool,
                         store_history: bool, execution_count: int | None,
-                        fields: dict[str, Any]) -> dict[str, Any]:
+                        fields: dict[str, Any], on_sent: Callable[[], None] | None) -> dict[str, Any]:
         client, sandbox_id = self._require()
         await self._runner_reachable()
         request: dict[str, Any] = {**fields, protocol.CELL_ID: cell_id, "silent": silent,
@@ -703,7 +704,7 @@ class SandboxSession:
         else:
             request["code"] = code
         try:
-            return await self.link.run_cell(cell_id, request, on_event)
+            return await self.link.run_cell(cell_id, request, on_event, on_sent)
         except RunnerTransportError as exc:
             if exc.runner_gone:
                 raise await self._runner_died(exc) from None

@@ -59,8 +59,11 @@ class RunnerTransport(Protocol):
     def failure(self) -> RunnerTransportError | None:
         """Why the transport ended for good (its next calls raise it), or None."""
 
-    async def run_cell(self, cell_id: str, request: dict[str, Any], on_event: EventHandler) -> dict[str, Any]:
-        """Run one cell (a run request), delivering its events in order; return its done event."""
+    async def run_cell(self, cell_id: str, request: dict[str, Any], on_event: EventHandler,
+                       on_sent: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Run one cell (a run request), delivering its events in order; return its done event.
+        on_sent() is called once the sandbox has taken the request, where that is known before
+        the cell's events."""
 
     async def request(self, message: dict[str, Any]) -> dict[str, Any]:
         """A one-shot request with an answer (complete, inspect, info): the runner's answer,
