@@ -23,6 +23,11 @@ turns once or twice, waiting for nothing outside: what is held is what the chann
 took in those turns. A sandbox that refuses the cell (paused) has not run it: do_execute's own
 run wakes the sandbox and runs it, as for any cell. A cell that went ahead has started, so a
 shutdown that begins meanwhile does not turn it away (cells.execute).
+
+On the local engine the dispatch waits (at most DISPATCH_WAIT) until the engine has handed the
+cell to the runner: the engine runs on this machine's CPUs, and ipykernel's dispatch (on this
+thread and its IOPub thread's) took them from it when both ran at once. The runner's part that
+follows is longer than the whole dispatch, which is then done long before the first output.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import asyncio
 import collections
 import logging
 import uuid
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from sandbox_kernel.api import ConflictError
@@ -42,12 +48,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sandbox_kernel.kernel.early_cell")
 
+# How long ipykernel's dispatch of a request waits for the local engine to hand its cell, sent
+# ahead, to the runner (about 1 ms; more only when the engine is busy, and then the dispatch
+# goes on without waiting longer).
+DISPATCH_WAIT = 0.05
+
 
 class EarlyCell:
     """One cell on its way to the sandbox before its do_execute: its run, and its events held."""
 
-    def __init__(self, msg_id: str, code: str, execution_count: int, store_history: bool,
-                 allow_stdin: bool) -> None:
+    def __init__(self, frames: list[Any], msg_id: str, code: str, execution_count: int,
+                 store_history: bool, allow_stdin: bool) -> None:
+        self.frames = frames  # the request as it came (SandboxKernel.dispatch_shell gets the same)
         self.msg_id = msg_id
         self.code = code
         self.execution_count = execution_count
@@ -57,6 +69,8 @@ class EarlyCell:
         self.run: asyncio.Task[dict[str, Any]] | None = None
         self._held: collections.deque[dict[str, Any]] | None = collections.deque()  # None once taken over or dropped
         self._handler: EventHandler | None = None
+        # Set once the sandbox has the cell (the engine answered its input call) or its run ended.
+        self.delivered = asyncio.Event()
 
     async def on_event(self, event: dict[str, Any]) -> None:
         if self._held is not None:
@@ -105,10 +119,21 @@ class EarlyCells:
         fields = {"allow_stdin": early.allow_stdin, "parent_msg_id": early.msg_id}
         early.run = asyncio.get_running_loop().create_task(session.run_cell(
             early.cell_id, early.code, early.on_event, silent=False, store_history=early.store_history,
-            execution_count=early.execution_count, fields=fields, wake=False))
+            execution_count=early.execution_count, fields=fields, wake=False, on_sent=early.delivered.set))
+        early.run.add_done_callback(lambda _: early.delivered.set())
         self.pending = early
         log.debug("request %s: its cell was sent ahead of its dispatch", early.msg_id)
         return early
+
+    async def before_dispatch(self, frames: list[Any]) -> None:
+        """Before ipykernel dispatches request `frames`: if its cell went ahead to the local
+        engine, until the engine has handed it to the runner (at most DISPATCH_WAIT)."""
+        early = self.pending
+        settings = self.kernel.settings
+        if early is None or early.frames is not frames or settings is None or settings.provider != "local":
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(early.delivered.wait(), DISPATCH_WAIT)
 
     def went_ahead(self, msg_id: str) -> bool:
         return self.pending is not None and self.pending.msg_id == msg_id
@@ -158,5 +183,5 @@ class EarlyCells:
                 or not kernel.cells.refusals.counted(session.sandbox_id)):
             return None
         # execute_request counts the cell (not silent) before its do_execute.
-        return EarlyCell(str(header.get("msg_id", "")), segments[0].text, kernel.execution_count + 1,
+        return EarlyCell(frames, str(header.get("msg_id", "")), segments[0].text, kernel.execution_count + 1,
                          store_history, allow_stdin)

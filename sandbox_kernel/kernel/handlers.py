@@ -254,7 +254,12 @@ class SandboxKernel(Kernel):
         ends, it sets that context's parent back to the one it saw when it began. Here comm
         handlers take a round trip, so a message handled in turn may have begun meanwhile:
         it then published its idle under the restored (earlier) parent, and the frontend
-        never saw this message go idle (ipywidgets' page stopped sending changes)."""
+        never saw this message go idle (ipywidgets' page stopped sending changes).
+
+        A request whose cell went ahead to the local engine is dispatched once the engine has
+        handed the cell on (early_cell.py)."""
+        if not concurrent and subshell_id is None:
+            await self.early_cells.before_dispatch(msg)
         context = contextvars.copy_context()
         context.run(DISPATCHED_CONCURRENTLY.set, concurrent)
         await asyncio.create_task(super().dispatch_shell(msg, subshell_id=subshell_id, concurrent=concurrent),

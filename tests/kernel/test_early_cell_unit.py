@@ -5,16 +5,18 @@ request to the sandbox and back: tests/e2e/test_early_cell.py."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from sandbox_kernel.api import ConflictError
-from sandbox_kernel.kernel.early_cell import EarlyCell
+from sandbox_kernel.kernel import early_cell
+from sandbox_kernel.kernel.early_cell import EarlyCell, EarlyCells
 
 
 def cell() -> EarlyCell:
-    return EarlyCell("msg-1", "print(1)", 1, store_history=True, allow_stdin=False)
+    return EarlyCell([], "msg-1", "print(1)", 1, store_history=True, allow_stdin=False)
 
 
 async def test_events_held_until_taken_over_then_in_order_with_later_ones() -> None:
@@ -79,3 +81,24 @@ async def test_a_dropped_cell_holds_nothing_more_and_its_run_is_cancelled() -> N
     assert early._held is None
     await asyncio.sleep(0)
     assert early.run.cancelled()
+
+
+async def test_the_dispatch_waits_for_the_local_engine_to_hand_the_cell_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EarlyCells.before_dispatch, with only the kernel's settings (the provider) beside it."""
+    monkeypatch.setattr(early_cell, "DISPATCH_WAIT", 60)
+    cells = EarlyCells(SimpleNamespace(settings=SimpleNamespace(provider="local")))  # type: ignore[arg-type]
+    early = cells.pending = cell()
+    waiting = asyncio.ensure_future(cells.before_dispatch(early.frames))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not waiting.done()
+    await cells.before_dispatch([])  # another request's frames: no wait
+    early.delivered.set()
+    await waiting
+
+    monkeypatch.setattr(early_cell, "DISPATCH_WAIT", 0.01)
+    never = cells.pending = cell()
+    await cells.before_dispatch(never.frames)  # not handed on: the dispatch goes on after the wait
+    cells.kernel = SimpleNamespace(settings=SimpleNamespace(provider="createos"))  # type: ignore[assignment]
+    monkeypatch.setattr(early_cell, "DISPATCH_WAIT", 60)
+    await asyncio.wait_for(cells.before_dispatch(never.frames), 5)  # a remote service: no wait
