@@ -10,8 +10,9 @@ A cell goes ahead only where going ahead changes nothing else:
   could take the next execution count between this one's prediction and its dispatch);
 - no other main-shell message is being handled or waiting (SandboxKernel.shell_main counts
   them), so it is the next thing this shell says to the sandbox, as it would have been;
-- the sandbox is up, nothing is aborting (ipykernel would abort the request), the kernel is
-  not stopping;
+- the sandbox is up with a channel to its runner (the exec-per-cell fallback has no moment
+  at which the runner is known to have the cell: see below), nothing is aborting (ipykernel
+  would abort the request), the kernel is not stopping;
 - it is code alone: no magic line, no user_expressions, not silent, not `exit`, and the
   sandbox's egress refusals already counted. cells.execute's first act is then this very run,
   with the same request.
@@ -160,8 +161,8 @@ class EarlyCells:
     def _cell_to_send(self, frames: list[Any]) -> EarlyCell | None:
         kernel = self.kernel
         session = kernel.sandbox
-        if (kernel.shutdown.stopping or not kernel.boot.ready() or session is None or kernel._aborting
-                or kernel.subshells.exist()):
+        if (kernel.shutdown.stopping or not kernel.boot.ready() or session is None or not session.has_channel
+                or kernel._aborting or kernel.subshells.exist()):
             return None
         try:
             _, message = kernel.session.feed_identities(frames, copy=False)
