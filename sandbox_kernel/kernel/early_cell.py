@@ -19,9 +19,10 @@ A cell goes ahead only where going ahead changes nothing else:
 
 Its events are held until do_execute takes the cell over (EarlyCells.take), after
 execute_input: the frontend sees what it would have seen, in the same order. Events come only
-when the kernel's loop turns, and between the request's arrival and its do_execute the loop
-turns once or twice, waiting for nothing outside: what is held is what the channel's reader
-took in those turns. A sandbox that refuses the cell (paused) has not run it: do_execute's own
+when the kernel's loop turns. Between the request's arrival and its do_execute the loop turns
+while the dispatch waits for the local engine (below), which a first event of the cell ends,
+and once or twice after, waiting for nothing outside: what is held is what the channel's
+reader took in those turns. A sandbox that refuses the cell (paused) has not run it: do_execute's own
 run wakes the sandbox and runs it, as for any cell. A cell that went ahead has started, so a
 shutdown that begins meanwhile does not turn it away (cells.execute).
 
@@ -70,12 +71,14 @@ class EarlyCell:
         self.run: asyncio.Task[dict[str, Any]] | None = None
         self._held: collections.deque[dict[str, Any]] | None = collections.deque()  # None once taken over or dropped
         self._handler: EventHandler | None = None
-        # Set once the sandbox has the cell (the engine answered its input call) or its run ended.
+        # Set once the sandbox has the cell (the engine answered its input call, or an event of
+        # the cell came) or its run ended.
         self.delivered = asyncio.Event()
 
     async def on_event(self, event: dict[str, Any]) -> None:
         if self._held is not None:
             self._held.append(event)
+            self.delivered.set()  # an event of the cell: the runner has it
         elif self._handler is not None:
             await self._handler(event)
 

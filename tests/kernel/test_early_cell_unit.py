@@ -24,6 +24,7 @@ async def test_events_held_until_taken_over_then_in_order_with_later_ones() -> N
     done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
     early.run = asyncio.ensure_future(done)
     await early.on_event({"n": 1})
+    assert early.delivered.is_set()  # an event of the cell: the runner has it
     await early.on_event({"n": 2})
     seen: list[int] = []
 
