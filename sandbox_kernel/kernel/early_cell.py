@@ -22,9 +22,9 @@ execute_input: the frontend sees what it would have seen, in the same order. Eve
 when the kernel's loop turns. Between the request's arrival and its do_execute the loop turns
 while the dispatch waits for the local engine (below), which a first event of the cell ends,
 and once or twice after, waiting for nothing outside: what is held is what the channel's
-reader took in those turns. A sandbox that refuses the cell (paused) has not run it: do_execute's own
-run wakes the sandbox and runs it, as for any cell. A cell that went ahead has started, so a
-shutdown that begins meanwhile does not turn it away (cells.execute).
+reader took in those turns. A sandbox that refuses the cell (paused) has not run it:
+do_execute's own run wakes the sandbox and runs it, as for any cell. A cell that went ahead
+has started, so a shutdown that begins meanwhile does not turn it away (cells.execute).
 
 On the local engine the dispatch waits (at most DISPATCH_WAIT) until the engine has handed the
 cell to the runner: the engine runs on this machine's CPUs, and ipykernel's dispatch (on this
@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import uuid
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 from sandbox_kernel.api import ConflictError
@@ -106,7 +106,7 @@ class EarlyCell:
 
 
 class EarlyCells:
-    """The one cell sent early, until its do_execute takes it over."""
+    """The one cell sent ahead, until its do_execute takes it over."""
 
     def __init__(self, kernel: SandboxKernel) -> None:
         self.kernel = kernel
@@ -143,7 +143,7 @@ class EarlyCells:
         return self.pending is not None and self.pending.msg_id == msg_id
 
     def take(self, msg_id: str, code: str) -> EarlyCell | None:
-        """The cell sent early for request msg_id, if that is it (and code its code)."""
+        """The cell sent ahead for request msg_id, if that is it (and code its code)."""
         early = self.pending
         if early is None or early.msg_id != msg_id or early.code != code:
             return None
